@@ -1,0 +1,134 @@
+import copy
+import os
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
+from trl_longstraw.embedded import build_model, build_tokenizer
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+GROUP_SIZE = 3
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(completion)) for completion in completions]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def prompt_dataset():
+    return Dataset.from_dict({"prompt": ["the value of key is 42. what is the value of key?", "say hi"] * 4})
+
+
+def trainer_args(config_class, tmp_path, **overrides):
+    fields = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2 * GROUP_SIZE,
+        num_generations=GROUP_SIZE,
+        max_completion_length=6,
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        disable_dropout=True,
+        seed=0,
+        bf16=False,  # transformers defaults to bf16 autocast even on CPU; parity is checked in full precision
+    )
+    fields.update(overrides)
+    return config_class(**fields)
+
+
+def make_trainer(trainer_class, model, tokenizer, dataset, tmp_path, **overrides):
+    config_class = LongStrawGRPOConfig if trainer_class is LongStrawGRPOTrainer else GRPOConfig
+    if config_class is GRPOConfig:
+        overrides = {k: v for k, v in overrides.items() if k not in LongStrawGRPOConfig.__dataclass_fields__
+                     or k in GRPOConfig.__dataclass_fields__}
+    trainer = trainer_class(
+        model=model,
+        reward_funcs=length_reward,
+        args=trainer_args(config_class, tmp_path, **overrides),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    return trainer
+
+
+def synthetic_inputs(vocab_size, prompt_lengths=(11, 7), completion_lengths=((6, 3, 5), (2, 6, 1)), seed=0,
+                     pad_id=0):
+    """Two groups of GROUP_SIZE rows: prompts of different lengths (left-padded), ragged completions."""
+    generator = torch.Generator().manual_seed(seed)
+    width_p, width_c = max(prompt_lengths), max(max(c) for c in completion_lengths)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = [], [], [], []
+    for prompt_length, lengths in zip(prompt_lengths, completion_lengths, strict=True):
+        prompt = torch.randint(2, vocab_size, (prompt_length,), generator=generator)
+        for length in lengths:
+            row = torch.full((width_p,), pad_id)
+            row[width_p - prompt_length :] = prompt
+            prompt_ids.append(row)
+            prompt_mask.append((torch.arange(width_p) >= width_p - prompt_length).long())
+            completion = torch.full((width_c,), pad_id)
+            completion[:length] = torch.randint(2, vocab_size, (length,), generator=generator)
+            completion_ids.append(completion)
+            completion_mask.append((torch.arange(width_c) < length).long())
+    completion_mask = torch.stack(completion_mask)
+    return {
+        "prompt_ids": torch.stack(prompt_ids),
+        "prompt_mask": torch.stack(prompt_mask),
+        "completion_ids": torch.stack(completion_ids),
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(len(completion_mask), generator=generator),
+        "num_items_in_batch": completion_mask.sum(),
+    }
+
+
+def add_old_and_ref_logps(trainer, inputs, seed=1, spread=0.5):
+    """Old/ref log-probs near the current ones, far enough that the PPO clip is active on many tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    with torch.no_grad():
+        current, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, mask, inputs["completion_ids"].shape[1]
+        )
+    noise = lambda: spread * torch.randn(current.shape, generator=generator)  # noqa: E731
+    inputs = dict(inputs)
+    inputs["old_per_token_logps"] = (current + noise()) * inputs["completion_mask"]
+    inputs["ref_per_token_logps"] = (current + noise()) * inputs["completion_mask"]
+    return inputs
+
+
+def grads_of(model):
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def max_relative_error(got, want):
+    assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
+    return max(((got[k] - want[k]).norm() / want[k].norm().clamp(min=1e-30)).item() for k in want)
+
+
+@pytest.fixture
+def fresh_model(tmp_path):
+    """A tiny random model saved to disk and reloaded, so TRL can build a reference model from its path."""
+
+    def factory(model_type="qwen3", dtype=torch.float32, seed=0, **overrides):
+        path = tmp_path / f"{model_type}-{seed}"
+        build_model(model_type, seed=seed, dtype=dtype, **overrides).save_pretrained(path)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+    return factory
+
+
+def clone_model(model):
+    return copy.deepcopy(model)

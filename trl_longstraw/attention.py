@@ -1,0 +1,184 @@
+"""Prefix-suffix attention merged by log-sum-exp, and its registration with transformers.
+
+A replayed completion attends to the captured prompt (the *prefix*, read-only, possibly far larger than the
+completion) and to itself (the *suffix*). Concatenating the two would copy the whole prefix per layer per replay and
+autograd would keep that copy alive for backward. Instead each part is computed on its own, returning its output and
+its log-sum-exp, and the two are merged exactly:
+
+    lse = logaddexp(lse_p, lse_s);  o = exp(lse_p - lse) * o_p + exp(lse_s - lse) * o_s
+
+The part over the prefix runs in chunks of keys with an online softmax; its backward recomputes chunk by chunk, so
+no `[queries, prefix]` score matrix ever exists in full, forward or backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION_IMPLEMENTATION = "longstraw"
+STATE_KWARG = "longstraw_state"
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    # bf16/fp16 inputs accumulate in fp32 like SDPA's math path; fp32/fp64 stay as they are.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_mask(
+    q_positions: torch.Tensor, k_positions: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor | None:
+    """Boolean `[rows, keys]` visibility (causal by absolute position, optionally windowed), or None if all visible."""
+    if sliding_window is None and int(k_positions[-1]) <= int(q_positions.min()):
+        return None
+    visible = k_positions[None, :] <= q_positions[:, None]
+    if sliding_window is not None:
+        visible &= (q_positions[:, None] - k_positions[None, :]) < sliding_window
+    return visible
+
+
+class ChunkedAttention(torch.autograd.Function):
+    """Attention of grouped queries over one key/value block, in key chunks, returning output and log-sum-exp.
+
+    Shapes: `q [kv_heads, rows, d]` (a kv head's query heads, batch and tokens folded into rows), `k [kv_heads, keys,
+    d]`, `v [kv_heads, keys, dv]`, `q_positions [rows]`, `k_positions [keys]` (absolute token positions). Keys may
+    live on another device than the queries (host-resident prompt state): each chunk is staged on use.
+    Returns `o [kv_heads, rows, dv]` (zero for rows that see no key) and `lse [kv_heads, rows]` (-inf there).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_positions, k_positions, scaling, sliding_window, chunk_size):
+        acc = _accumulation_dtype(q.dtype)
+        qf = q.to(acc)
+        heads, rows, _ = q.shape
+        out = torch.zeros(heads, rows, v.shape[-1], dtype=acc, device=q.device)
+        row_max = torch.full((heads, rows), float("-inf"), dtype=acc, device=q.device)
+        row_sum = torch.zeros(heads, rows, dtype=acc, device=q.device)
+        for start in range(0, k.shape[1], chunk_size):
+            end = min(start + chunk_size, k.shape[1])
+            kc = k[:, start:end].to(q.device, acc, non_blocking=True)
+            vc = v[:, start:end].to(q.device, acc, non_blocking=True)
+            scores = torch.matmul(qf, kc.transpose(1, 2)).mul_(scaling)
+            mask = _chunk_mask(q_positions, k_positions[start:end], sliding_window)
+            if mask is not None:
+                scores.masked_fill_(~mask, float("-inf"))
+            new_max = torch.maximum(row_max, scores.amax(dim=-1))
+            safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+            rescale = torch.exp(row_max - safe_max)
+            probs = torch.exp(scores.sub_(safe_max[..., None]))
+            row_sum = row_sum * rescale + probs.sum(dim=-1)
+            out = out * rescale[..., None] + torch.matmul(probs, vc)
+            row_max = new_max
+        seen = row_sum > 0
+        lse = torch.where(seen, torch.log(row_sum.clamp(min=torch.finfo(acc).tiny)) + row_max, row_max)
+        out = torch.where(seen[..., None], out / row_sum.clamp(min=torch.finfo(acc).tiny)[..., None], 0.0)
+        ctx.save_for_backward(q, k, v, q_positions, k_positions, out, lse)
+        ctx.scaling, ctx.sliding_window, ctx.chunk_size = scaling, sliding_window, chunk_size
+        return out.to(q.dtype), lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, q_positions, k_positions, out, lse = ctx.saved_tensors
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        acc = out.dtype
+        qf = q.to(acc)
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(acc)
+        grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.to(acc)
+        # d lse / d score = p; d o / d score = p * (v - o): both folded into one per-row correction term.
+        row_term = grad_lse - (grad_out * out).sum(dim=-1)
+        safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        grad_q = torch.zeros_like(qf) if need_q else None
+        grad_k = torch.zeros(k.shape, dtype=k.dtype, device=k.device) if need_k else None
+        grad_v = torch.zeros(v.shape, dtype=v.dtype, device=v.device) if need_v else None
+        for start in range(0, k.shape[1], ctx.chunk_size):
+            end = min(start + ctx.chunk_size, k.shape[1])
+            kc = k[:, start:end].to(q.device, acc)
+            vc = v[:, start:end].to(q.device, acc)
+            scores = torch.matmul(qf, kc.transpose(1, 2)).mul_(ctx.scaling)
+            mask = _chunk_mask(q_positions, k_positions[start:end], ctx.sliding_window)
+            if mask is not None:
+                scores.masked_fill_(~mask, float("-inf"))
+            probs = torch.exp(scores.sub_(safe_lse[..., None]))
+            if need_v:
+                grad_v[:, start:end] = torch.matmul(probs.transpose(1, 2), grad_out).to(v.device, v.dtype)
+            grad_scores = probs.mul_(torch.matmul(grad_out, vc.transpose(1, 2)).add_(row_term[..., None]))
+            grad_scores.mul_(ctx.scaling)
+            if need_q:
+                grad_q += torch.matmul(grad_scores, kc)
+            if need_k:
+                grad_k[:, start:end] = torch.matmul(grad_scores.transpose(1, 2), qf).to(k.device, k.dtype)
+        grad_q = grad_q.to(q.dtype) if need_q else None
+        return grad_q, grad_k, grad_v, None, None, None, None, None
+
+
+def chunked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention of `q [batch, heads, tokens, d]` over `k, v [kv_heads, keys, d]` shared by the batch.
+
+    Returns `o [batch, heads, tokens, dv]` and `lse [batch, heads, tokens]`. The kv heads are never repeated: the
+    query heads of one kv head are folded into rows, so a GQA prefix is read once per chunk, not once per query head.
+    """
+    batch, heads, tokens, dim = q.shape
+    kv_heads = k.shape[0]
+    groups = heads // kv_heads
+    rows = q.view(batch, kv_heads, groups, tokens, dim).permute(1, 0, 2, 3, 4).reshape(kv_heads, -1, dim)
+    row_positions = q_positions.repeat(batch * groups)
+    out, lse = ChunkedAttention.apply(
+        rows, k, v, row_positions, k_positions, scaling, sliding_window, chunk_size
+    )
+    out = out.view(kv_heads, batch, groups, tokens, -1).permute(1, 0, 2, 3, 4).reshape(batch, heads, tokens, -1)
+    lse = lse.view(kv_heads, batch, groups, tokens).permute(1, 0, 2, 3).reshape(batch, heads, tokens)
+    return out, lse
+
+
+def merge_by_lse(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """Exact softmax attention over the union of two disjoint key sets, from each set's output and log-sum-exp."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    weight_a = torch.exp(lse_a - lse)[..., None]
+    weight_b = torch.exp(lse_b - lse)[..., None]
+    return (weight_a * out_a.to(weight_a.dtype) + weight_b * out_b.to(weight_b.dtype)).to(out_a.dtype)
+
+
+def longstraw_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The registered attention function: LongStraw's prompt state when a forward carries one, SDPA otherwise.
+
+    Generation and any forward that does not pass `longstraw_state=` run exactly as the `sdpa` implementation.
+    """
+    state_access = kwargs.pop(STATE_KWARG, None)
+    if state_access is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, sliding_window=sliding_window,
+            **kwargs,
+        )
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = state_access.attend(module.layer_idx, query, key, value, scaling, sliding_window)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> None:
+    """Register the `longstraw` attention and mask functions with transformers (idempotent)."""
+    AttentionInterface.register(ATTENTION_IMPLEMENTATION, longstraw_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, sdpa_mask)

@@ -1,0 +1,38 @@
+"""Data parallelism for the serial replay: one gradient all-reduce per optimizer step, as DDP would do.
+
+The replay calls `backward()` once per member (and once per group's prompt in exact mode) on the unwrapped model,
+which DDP's reducer cannot follow (it expects one backward per wrapped forward). So LongStraw skips the wrapper and
+averages the accumulated gradients across ranks itself, once, on the micro-step that closes the accumulation window:
+every rank ends the step with the gradient DDP would have given it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """All-reduce (mean) every trainable parameter's gradient across `group`, in one flat buffer per dtype."""
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return
+    params = [p for p in model.parameters() if p.requires_grad]
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for param in params:
+        by_dtype.setdefault(param.grad.dtype, []).append(param)
+    for same_dtype in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in same_dtype])
+        dist.all_reduce(flat, group=group)
+        flat.div_(world_size)
+        offset = 0
+        for param in same_dtype:
+            count = param.grad.numel()
+            param.grad.copy_(flat[offset : offset + count].view_as(param.grad))
+            offset += count

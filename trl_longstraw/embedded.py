@@ -1,0 +1,63 @@
+"""The embedded default: a character-level tokenizer and tiny random-weight decoders built in code.
+
+Used by `make demo` and by the tests, so nothing is downloaded: the tokenizer is a `tokenizers` WordLevel model over
+single characters with a chat template, and models are built from configs with random weights.
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+
+PAD, EOS = "<pad>", "<eos>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character, plus `<pad>` and `<eos>`, with a minimal chat template."""
+    vocab = {PAD: 0, EOS: 1}
+    for char in string.printable:
+        vocab.setdefault(char, len(vocab))
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=" "))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_config(model_type: str = "qwen3", vocab_size: int = 102, **overrides):
+    """A few-layer GQA decoder config with random weights in mind (hidden 64, 4 query / 2 kv heads)."""
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32768,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    if model_type == "qwen3":
+        return Qwen3Config(**common)
+    if model_type == "llama":
+        return LlamaConfig(**common)
+    raise ValueError(f"model_type={model_type!r}: the embedded configs are 'qwen3' and 'llama'")
+
+
+def build_model(model_type: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A tiny random-weight causal LM (deterministic for a given seed)."""
+    torch.manual_seed(seed)
+    config = tiny_config(model_type, **overrides)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -1,0 +1,199 @@
+"""One group's update: capture the shared prompt once, score members from it, replay each member under autograd.
+
+The engine knows models, not trainers. It drives a causal LM through two entry points: its backbone
+(`model.base_model`) for the prompt, and its forward with TRL's fused LM head (`fused_lm_head=True`, see
+`trl.trainer.utils.add_fused_lm_head`) for the completion tokens, so log-probs and entropies are computed exactly as
+`GRPOTrainer` computes them (temperature, soft-capping, fp32 head). Every forward reaches the prompt state through
+the `longstraw_state=` kwarg, which the registered `longstraw` attention reads.
+
+Token layout of one member, for a prompt `p[0..P)` and completion `c[0..R)`:
+
+    capture:  p[0 .. P-1)                         no grad, in chunks; state kept
+    replay:   [p[P-1], c[0], ..., c[R-2]]        predicts c[0 .. R): the last prompt token is replayed, so the
+                                                  first completion token gets its log-prob and its gradient path
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from .attention import STATE_KWARG
+from .state import PromptState, StateAccess
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or infinity appeared in a phase of the LongStraw update."""
+
+
+def ensure_finite(values: torch.Tensor, where: str) -> None:
+    if not torch.isfinite(values).all():
+        raise NonFiniteError(
+            f"Non-finite values (NaN or inf) in {where}. Check the inputs and the weights (a learning rate that is "
+            "too high, fp16 overflow); lower the learning rate or train in bf16/fp32."
+        )
+
+
+def weights_version(model: nn.Module) -> int:
+    """A counter that moves whenever any parameter is modified in place (optimizer steps, weight syncs).
+
+    Uses each tensor's autograd version counter, the same one autograd relies on to detect in-place modification
+    of saved tensors, so it needs no hook on the optimizer and catches every writer.
+    """
+    return sum(p._version for p in model.parameters())
+
+
+@contextlib.contextmanager
+def no_layer_checkpointing(model: nn.Module) -> Iterator[None]:
+    """Run decoder layers without activation checkpointing (the exact-mode prompt recompute is already chunked)."""
+    flagged = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for module in flagged:
+        module.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for module in flagged:
+            module.gradient_checkpointing = True
+
+
+@dataclass
+class LongStrawEngine:
+    """Capture, score, replay and (exact mode) prompt backward for one causal LM with TRL's fused LM head.
+
+    Args:
+        prefill_chunk_size: prompt tokens per no-grad capture forward; bounds the capture's activations.
+        attention_chunk_size: prompt keys per step of the prefix attention; bounds its score matrix.
+        state_device: where prompt state lives (`None`: the model's device).
+        prompt_gradient: "detach" (state is a constant) or "exact" (state gradients pushed into the parameters).
+    """
+
+    prefill_chunk_size: int
+    attention_chunk_size: int
+    state_device: torch.device | None = None
+    prompt_gradient: Literal["detach", "exact"] = "detach"
+
+    @staticmethod
+    def _device(model: nn.Module) -> torch.device:
+        return model.get_input_embeddings().weight.device
+
+    @torch.no_grad()
+    def capture(self, model: nn.Module, prompt_ids: torch.Tensor, first_position: int) -> PromptState:
+        """Run all but the last of `prompt_ids` (1-D, real tokens only) without autograd and keep their state."""
+        device = self._device(model)
+        num_tokens = prompt_ids.numel() - 1
+        state = PromptState(
+            num_tokens=num_tokens,
+            start_position=first_position,
+            device=self.state_device or device,
+            weights_version=weights_version(model),
+            keep_full_window=self.prompt_gradient == "exact",
+        )
+        for start in range(0, num_tokens, self.prefill_chunk_size):
+            end = min(start + self.prefill_chunk_size, num_tokens)
+            self._backbone_forward(model, state, "capture", prompt_ids[start:end], first_position + start)
+        for index, tensor in enumerate(state.tensors()):
+            ensure_finite(tensor, f"the captured prompt state (tensor {index})")
+        return state
+
+    def _backbone_forward(self, model, state, mode, token_ids, first_position, page_limit=None) -> StateAccess:
+        device = self._device(model)
+        positions = torch.arange(first_position, first_position + token_ids.numel(), device=device)
+        access = StateAccess(state, mode, positions, self.attention_chunk_size, page_limit=page_limit)
+        model.base_model(
+            input_ids=token_ids.to(device)[None], position_ids=positions[None], use_cache=False, **{STATE_KWARG: access}
+        )
+        return access
+
+    def _member_forward(self, model, state, last_prompt_token, completions, lengths):
+        """Log-probs and entropies of `completions [n, T]` (right-padded; `lengths [n]` real tokens) given the state."""
+        state.check_fresh(weights_version(model))
+        device = self._device(model)
+        width = int(lengths.max())
+        completions = completions[:, :width].to(device)
+        real = torch.arange(width, device=device)[None, :] < lengths.to(device)[:, None]
+        inputs = torch.cat([last_prompt_token.to(device).expand(len(completions), 1), completions[:, :-1]], dim=1)
+        labels = completions.masked_fill(~real, -100)
+        first_position = state.start_position + state.num_tokens
+        positions = torch.arange(first_position, first_position + width, device=device)
+        access = StateAccess(state, "read", positions, self.attention_chunk_size)
+        outputs = model(
+            input_ids=inputs, position_ids=positions[None], shift_labels=labels, fused_lm_head=True,
+            **{STATE_KWARG: access},
+        )
+        return outputs.log_probs, outputs.entropy
+
+    @torch.no_grad()
+    def score(
+        self,
+        model: nn.Module,
+        state: PromptState,
+        last_prompt_token: torch.Tensor,
+        completions: torch.Tensor,
+        lengths: torch.Tensor,
+        batch_size: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """No-grad log-probs (and entropies, if the head computes them) of every member, `batch_size` at a time.
+
+        Returns `[n, completions.shape[1]]` tensors, zero past each member's length, like `GRPOTrainer`'s.
+        """
+        logps = entropies = None
+        for start in range(0, len(completions), batch_size):
+            rows = slice(start, start + batch_size)
+            if int(lengths[rows].max()) == 0:
+                continue
+            chunk_logps, chunk_entropies = self._member_forward(
+                model, state, last_prompt_token, completions[rows], lengths[rows]
+            )
+            width = chunk_logps.shape[1]
+            if logps is None:
+                logps = chunk_logps.new_zeros(completions.shape)
+                entropies = None if chunk_entropies is None else chunk_entropies.new_zeros(completions.shape)
+            logps[rows, :width] = chunk_logps
+            if entropies is not None:
+                entropies[rows, :width] = chunk_entropies
+        if logps is None:  # every member is empty (e.g. all truncated and masked)
+            logps = torch.zeros(completions.shape, device=self._device(model))
+        return logps, entropies
+
+    def replay(
+        self,
+        model: nn.Module,
+        state: PromptState,
+        last_prompt_token: torch.Tensor,
+        completion: torch.Tensor,
+        length: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One member under autograd: `[length]` log-probs and entropies, connected to the parameters."""
+        logps, entropies = self._member_forward(
+            model, state, last_prompt_token, completion[None], torch.tensor([length])
+        )
+        return logps[0], None if entropies is None else entropies[0]
+
+    def backward_prompt(self, model: nn.Module, state: PromptState, prompt_ids: torch.Tensor) -> None:
+        """Exact mode: push the gradient accumulated on the state leaves into the parameters.
+
+        Chunks are recomputed under autograd in reverse order: chunk c reads the pages of chunks < c as leaves, so
+        its backward adds to their gradients before they are themselves recomputed. Peak memory is one chunk's graph
+        plus the state-sized gradient.
+        """
+        state.check_fresh(weights_version(model))
+        with no_layer_checkpointing(model), torch.enable_grad():
+            for start in reversed(range(0, state.num_tokens, self.prefill_chunk_size)):
+                end = min(start + self.prefill_chunk_size, state.num_tokens)
+                access = self._backbone_forward(
+                    model, state, "recompute", prompt_ids[start:end], state.start_position + start, page_limit=start
+                )
+                outputs, grads = [], []
+                for pages, recomputed in access.recorded.items():
+                    for tensor, leaf in zip(recomputed, (pages.key, pages.value), strict=True):
+                        if leaf.grad is None:
+                            continue
+                        outputs.append(tensor)
+                        grads.append(leaf.grad[:, start:end].to(tensor.device, tensor.dtype, copy=True))
+                if outputs:
+                    torch.autograd.backward(outputs, grads)
