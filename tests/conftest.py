@@ -48,17 +48,19 @@ def trainer_args(config_class, tmp_path, **overrides):
     return config_class(**fields)
 
 
-def make_trainer(trainer_class, model, tokenizer, dataset, tmp_path, **overrides):
-    config_class = LongStrawGRPOConfig if trainer_class is LongStrawGRPOTrainer else GRPOConfig
+def make_trainer(trainer_class, model, tokenizer, dataset, tmp_path, peft_config=None, reward_funcs=length_reward,
+                 **overrides):
+    """A trainer on `model`; LongStraw-only fields are dropped for a stock trainer."""
+    config_class = LongStrawGRPOConfig if issubclass(trainer_class, LongStrawGRPOTrainer) else GRPOConfig
     if config_class is GRPOConfig:
-        overrides = {k: v for k, v in overrides.items() if k not in LongStrawGRPOConfig.__dataclass_fields__
-                     or k in GRPOConfig.__dataclass_fields__}
+        overrides = {k: v for k, v in overrides.items() if k in GRPOConfig.__dataclass_fields__}
     trainer = trainer_class(
         model=model,
-        reward_funcs=length_reward,
+        reward_funcs=reward_funcs,
         args=trainer_args(config_class, tmp_path, **overrides),
         train_dataset=dataset,
         processing_class=tokenizer,
+        peft_config=peft_config,
     )
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()

@@ -77,8 +77,8 @@ class LongStrawGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         self._validate_longstraw_fields()
-        super().__post_init__()
         self._validate_grouping()
+        super().__post_init__()
 
     def _validate_longstraw_fields(self) -> None:
         if self.prompt_gradient not in PROMPT_GRADIENT_MODES:

@@ -204,6 +204,22 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._telemetry.record_state(state.nbytes())
         return state
 
+    def _capture_and_score(self, causal_lm, group: Group, completion_ids, capture_phase: str, batch_size: int):
+        """Capture a group's prompt, then score its members without grad; returns the state and the scores."""
+        state = self._capture(causal_lm, group, capture_phase)
+        with self._telemetry.phase("score"), torch.no_grad(), self.accelerator.autocast():
+            logps, entropies = self.engine.score(
+                causal_lm,
+                state,
+                group.prompt_ids[-1:],
+                completion_ids[group.rows.start : group.rows.stop],
+                group.completion_lengths,
+                batch_size,
+            )
+        for member, values in enumerate(logps):
+            ensure_finite(values, f"phase 'score' ({capture_phase}), group {group.index}, member {member}")
+        return state, logps, entropies
+
     # ---------------------------------------------------------------------------------------------------------------
     # Scoring: GRPOTrainer asks for per-token log-probs; they come from one capture per group
     # ---------------------------------------------------------------------------------------------------------------
@@ -237,19 +253,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         phase = "capture_ref" if self._is_reference_pass(model) else "capture"
         logps, entropies = [], []
         for group in groups:
-            state = self._capture(causal_lm, group, phase)
-            with self._telemetry.phase("score"), self.accelerator.autocast():
-                group_logps, group_entropies = self.engine.score(
-                    causal_lm,
-                    state,
-                    group.prompt_ids[-1:],
-                    completion_ids[group.rows.start : group.rows.stop],
-                    group.completion_lengths,
-                    batch_size or len(group.rows),
-                )
-            del state
-            for member, values in enumerate(group_logps):
-                ensure_finite(values, f"phase '{phase}/score', group {group.index}, member {member}")
+            state, group_logps, group_entropies = self._capture_and_score(
+                causal_lm, group, completion_ids, phase, batch_size or len(group.rows)
+            )
+            del state  # one group's state alive at a time
             logps.append(group_logps)
             entropies.append(group_entropies)
         entropies = torch.cat(entropies) if compute_entropy else None
@@ -274,14 +281,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         scores, state = [], None
         for group in groups:
             del state
-            state = self._capture(causal_lm, group, "capture")
-            with self._telemetry.phase("score"), torch.no_grad(), self.accelerator.autocast():
-                scores.append(
-                    self.engine.score(
-                        causal_lm, state, group.prompt_ids[-1:],
-                        completion_ids[group.rows.start : group.rows.stop], group.completion_lengths, len(group.rows),
-                    )
-                )
+            state, *group_scores = self._capture_and_score(
+                causal_lm, group, completion_ids, "capture", len(group.rows)
+            )
+            scores.append(group_scores)
         logps = torch.cat([group_logps for group_logps, _ in scores])
         entropies = torch.cat([group_entropies for _, group_entropies in scores])
 

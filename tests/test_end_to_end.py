@@ -1,0 +1,104 @@
+"""`trainer.train()` end to end: TRL generation, rewards, LoRA and QLoRA, telemetry in the logs and in W&B."""
+
+import glob
+import os
+
+import pytest
+import torch
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+from trl_longstraw import LongStrawGRPOTrainer
+from trl_longstraw.embedded import build_model
+from trl_longstraw.trainer import shuffle_groups, split_groups
+
+from .conftest import GROUP_SIZE, make_trainer, synthetic_inputs
+
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+PHASE_KEYS = ["longstraw/capture/time_s", "longstraw/score/time_s", "longstraw/replay/time_s",
+              "longstraw/optimizer/time_s", "longstraw/prompt_state_gib"]
+
+
+def distinct_reward(completions, **kwargs):
+    """Rewards that differ within a group, so advantages (and gradients) are non-zero."""
+    return [float(len(set(completion))) for completion in completions]
+
+
+def train(trainer):
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    trainer.train()
+    changed = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    return changed, [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt_gradient", ["detach", "exact"])
+def test_lora_training_updates_the_adapter_and_logs_phases(prompt_gradient, fresh_model, tokenizer, prompt_dataset,
+                                                           tmp_path):
+    trainer = make_trainer(
+        LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path, peft_config=LoraConfig(**LORA),
+        reward_funcs=distinct_reward, max_steps=2, gradient_accumulation_steps=2, per_device_train_batch_size=3,
+        beta=0.04, learning_rate=1e-2, prompt_gradient=prompt_gradient, prefill_chunk_size=16,
+    )
+    changed, logs = train(trainer)
+    assert changed and all("lora_" in name for name in changed)
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor(entry["loss"])) for entry in logs)
+    for key in PHASE_KEYS + ["longstraw/capture_ref/time_s"]:
+        assert all(key in entry for entry in logs), key
+    peak_key = "longstraw/replay/peak_rss_gib"
+    assert all(entry[peak_key] > 0 for entry in logs)
+    assert ("longstraw/prompt_backward/time_s" in logs[0]) == (prompt_gradient == "exact")
+
+
+@pytest.mark.slow
+def test_qlora_nf4_training(tokenizer, prompt_dataset, tmp_path):
+    build_model("qwen3").save_pretrained(tmp_path / "base")
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quantization)
+    trainer = make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path / "run",
+                           peft_config=LoraConfig(**LORA), reward_funcs=distinct_reward, max_steps=1,
+                           learning_rate=1e-2, prompt_gradient="exact")
+    changed, logs = train(trainer)
+    assert changed and len(logs) == 1 and torch.isfinite(torch.tensor(logs[0]["loss"]))
+
+
+@pytest.mark.slow
+def test_multiple_iterations_recapture_under_the_new_weights(fresh_model, tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path,
+                           reward_funcs=distinct_reward, max_steps=3, num_iterations=2, learning_rate=1e-3)
+    changed, logs = train(trainer)
+    assert changed and len(logs) == 3
+    assert all(entry["longstraw/capture/time_s"] > 0 for entry in logs)
+
+
+def test_group_shuffle_keeps_groups_whole_in_every_micro_batch(tokenizer):
+    from trl.trainer.utils import split_tensor_dict
+
+    batch = synthetic_inputs(len(tokenizer), prompt_lengths=(11, 7, 9, 5),
+                             completion_lengths=((6, 3, 5), (2, 6, 1), (4, 4, 4), (1, 2, 3)))
+    torch.manual_seed(0)
+    for micro_batch in split_tensor_dict(shuffle_groups(batch, GROUP_SIZE), 2):
+        groups = split_groups(micro_batch["prompt_ids"], micro_batch["prompt_mask"],
+                              micro_batch["completion_mask"], GROUP_SIZE, None)
+        assert len(groups) == 2
+
+
+@pytest.mark.slow
+def test_wandb_offline_run_records_the_phase_metrics(fresh_model, tokenizer, prompt_dataset, tmp_path,
+                                                     monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    trainer = make_trainer(LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path / "run",
+                           reward_funcs=distinct_reward, max_steps=1, report_to="wandb")
+    trainer.train()
+    run_dir = wandb.run.dir
+    wandb.finish()
+    wandb.teardown()
+    # Offline runs keep their history in the run's transaction log (protobuf records): the keys are stored verbatim.
+    [log_file] = glob.glob(os.path.join(os.path.dirname(run_dir), "*.wandb"))
+    records = open(log_file, "rb").read()
+    for key in PHASE_KEYS:
+        assert key.encode() in records, key

@@ -1,0 +1,92 @@
+"""Bad input fails before expensive work, with an error that names the field and the fix."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
+from trl_longstraw.architectures import UnsupportedModelError, check_supported
+from trl_longstraw.embedded import tiny_config
+from trl_longstraw.engine import NonFiniteError
+
+from .conftest import make_trainer, synthetic_inputs, trainer_args
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("prompt_gradient", "full", "prompt_gradient='full'"),
+        ("prefill_chunk_size", 0, "prefill_chunk_size=0"),
+        ("attention_chunk_size", -1, "attention_chunk_size=-1"),
+        ("prompt_state_device", "gpu7", "prompt_state_device='gpu7'"),
+        ("per_device_train_batch_size", 4, "per_device_train_batch_size=4 is not a multiple of num_generations=3"),
+    ],
+)
+def test_config_rejects_bad_fields(field, value, message, tmp_path):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        trainer_args(LongStrawGRPOConfig, tmp_path, **{field: value})
+
+
+def test_stock_config_is_refused(tmp_path, tokenizer, prompt_dataset, fresh_model):
+    from trl import GRPOConfig
+
+    with pytest.raises(TypeError, match="needs a LongStrawGRPOConfig"):
+        LongStrawGRPOTrainer(model=fresh_model(), reward_funcs=len, args=trainer_args(GRPOConfig, tmp_path),
+                             train_dataset=prompt_dataset, processing_class=tokenizer)
+
+
+def test_fp16_is_refused(tmp_path, tokenizer, prompt_dataset, fresh_model):
+    args = trainer_args(LongStrawGRPOConfig, tmp_path)
+    args.fp16 = True
+    with pytest.raises(ValueError, match="fp16=True"):
+        LongStrawGRPOTrainer(model=fresh_model(), reward_funcs=len, args=args, train_dataset=prompt_dataset,
+                             processing_class=tokenizer)
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path, tokenizer, prompt_dataset):
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=102))
+    with pytest.raises(UnsupportedModelError, match="model_type='gpt2'.*llama, mistral, qwen2, qwen3"):
+        LongStrawGRPOTrainer(model=model, reward_funcs=len, args=trainer_args(LongStrawGRPOConfig, tmp_path),
+                             train_dataset=prompt_dataset, processing_class=tokenizer)
+
+
+def test_unsupported_layer_type_is_named():
+    config = tiny_config("qwen3")
+    config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(UnsupportedModelError, match="Layer 1 .* 'linear_attention'"):
+        check_supported(config)
+
+
+@pytest.fixture
+def trainer(fresh_model, tokenizer, prompt_dataset, tmp_path):
+    return make_trainer(LongStrawGRPOTrainer, fresh_model(max_position_embeddings=24), tokenizer, prompt_dataset,
+                        tmp_path)
+
+
+def test_prompt_longer_than_the_model_positions(trainer, tokenizer):
+    inputs = synthetic_inputs(len(tokenizer), prompt_lengths=(20, 7))
+    with pytest.raises(ValueError, match="max_position_embeddings=24"):
+        trainer.replay_and_backward(trainer.model, inputs)
+
+
+def test_group_rows_must_share_a_prompt(trainer, tokenizer):
+    inputs = synthetic_inputs(len(tokenizer))
+    inputs["prompt_ids"][1, -1] += 1
+    with pytest.raises(ValueError, match=r"Rows 0..2 \(group 0\) do not share one prompt"):
+        trainer.replay_and_backward(trainer.model, inputs)
+
+
+def test_batch_that_splits_a_group(trainer, tokenizer):
+    inputs = {k: v[:4] if v.ndim else v for k, v in synthetic_inputs(len(tokenizer)).items()}
+    with pytest.raises(ValueError, match="not a whole number of groups of num_generations=3"):
+        trainer.replay_and_backward(trainer.model, inputs)
+
+
+def test_non_finite_member_is_named(trainer, tokenizer):
+    inputs = synthetic_inputs(len(tokenizer))
+    poisoned = int(inputs["completion_ids"][4, 1])  # group 1, member 1, not used by any prompt of the batch
+    assert poisoned not in inputs["prompt_ids"] and poisoned not in inputs["completion_ids"][:4]
+    with torch.no_grad():
+        trainer.model.model.embed_tokens.weight[poisoned] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"phase 'score' \(capture\), group 1, member 1"):
+        trainer.replay_and_backward(trainer.model, inputs)
