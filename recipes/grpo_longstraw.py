@@ -1,0 +1,171 @@
+"""Long-context GRPO with `LongStrawGRPOTrainer`, launchable with `accelerate launch` like TRL's own scripts.
+
+    accelerate launch recipes/grpo_longstraw.py --config configs/demo_embedded.yaml
+
+By default it trains the embedded tiny model on the embedded needle task (nothing is downloaded); with a Hub model id
+and dataset it trains those instead. The rewards are the needle task's (`needle_reward` + `digits_only_reward`): a Hub
+dataset needs an `answer` column, or these reward functions replaced by ones for its task.
+
+After training, rank 0 prints the wall time and peak memory of each LongStraw phase, read back from the trainer's
+logs, so the cost of a long prompt can be read off without a dashboard.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from datasets import Dataset, load_dataset
+from needle_task import build_needle_dataset, digits_only_reward, needle_reward  # sibling module of this script
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
+
+from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
+from trl_longstraw.embedded import build_model, build_tokenizer
+from trl_longstraw.telemetry import PHASES, PREFIX
+
+EMBEDDED = "embedded"
+EMBEDDED_NEEDLE = "embedded:needle"
+
+
+@dataclass
+class LongStrawScriptArguments:
+    """What to train on: the embedded needle task (default) or a Hub dataset."""
+
+    dataset_name: str = field(
+        default=EMBEDDED_NEEDLE,
+        metadata={
+            "help": f"'{EMBEDDED_NEEDLE}' builds the synthetic needle-in-a-haystack task in code; anything else is "
+            "loaded with `datasets.load_dataset(dataset_name, split=dataset_train_split)` and needs a `prompt` "
+            "column and, for `needle_reward`, an `answer` column."
+        },
+    )
+    dataset_train_split: str = field(
+        default="train",
+        metadata={"help": "Split of a Hub dataset to train on (unused by the embedded needle task)."},
+    )
+    num_prompts: int = field(
+        default=8,
+        metadata={"help": "Number of needle prompts to build (embedded needle task only)."},
+    )
+    prompt_chars: int = field(
+        default=16384,
+        metadata={
+            "help": "Characters of every needle prompt's user message (embedded needle task only); with the embedded "
+            "character-level tokenizer, that is its length in tokens."
+        },
+    )
+    embedded_model_type: str = field(
+        default="qwen3",
+        metadata={
+            "help": "Architecture of the embedded tiny random-weight model, used when `model_name_or_path` is unset "
+            f"or '{EMBEDDED}'.",
+            "choices": ["qwen3", "llama"],
+        },
+    )
+
+
+def save_reference_weights(model: PreTrainedModel, training_args: LongStrawGRPOConfig) -> None:
+    """Save the embedded model's initial weights and point its config at them.
+
+    With `beta != 0` and no PEFT adapter to disable, `GRPOTrainer` loads the reference model from the policy's
+    `name_or_path`, which an in-memory model does not have. Rank 0 writes, the other ranks wait for it.
+    """
+    path = Path(training_args.output_dir) / "embedded_reference"
+    with training_args.main_process_first(local=False, desc="saving the embedded reference weights"):
+        if training_args.process_index == 0:
+            model.save_pretrained(path)
+    model.config._name_or_path = str(path)
+
+
+def load_model_and_tokenizer(
+    script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConfig, model_args: ModelConfig
+) -> tuple[PreTrainedModel | str, PreTrainedTokenizerBase]:
+    """The embedded tiny model and tokenizer, or a Hub model id with its tokenizer.
+
+    A Hub model is passed to the trainer as its id, with `model_init_kwargs`, so that the trainer loads it (with the
+    quantization config) and applies PEFT exactly as stock `GRPOTrainer` does.
+    """
+    if model_args.model_name_or_path in (None, EMBEDDED):
+        dtype = torch.float32 if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
+        model = build_model(script_args.embedded_model_type, seed=training_args.seed, dtype=dtype)
+        if training_args.beta != 0.0 and not model_args.use_peft:
+            save_reference_weights(model, training_args)
+        return model, build_tokenizer()
+    training_args.model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        **(training_args.model_init_kwargs or {}),
+    }
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.model_name_or_path,
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        padding_side="left",
+    )
+    return model_args.model_name_or_path, tokenizer
+
+
+def load_train_dataset(script_args: LongStrawScriptArguments, seed: int) -> Dataset:
+    """The embedded needle task, or the requested split of a Hub dataset."""
+    if script_args.dataset_name == EMBEDDED_NEEDLE:
+        return build_needle_dataset(script_args.num_prompts, script_args.prompt_chars, seed=seed)
+    return load_dataset(script_args.dataset_name, split=script_args.dataset_train_split)
+
+
+def phase_table(log_history: list[dict[str, float]]) -> str:
+    """Mean wall time and maximum peak memory of each phase over the logged steps, plus the largest prompt state.
+
+    The peak key is whatever the telemetry logged (`peak_cuda_allocated_gib` on CUDA, `peak_rss_gib` on the host), so
+    the table names it rather than assuming one. Phases that never ran (e.g. `capture_ref` when `beta=0`,
+    `prompt_backward` in detach mode) are shown as not logged.
+    """
+    rows = [f"{'phase':<16}{'steps':>6}{'mean time_s':>13}{'max peak GiB':>14}  memory metric"]
+    for phase in PHASES:
+        times = [log[f"{PREFIX}/{phase}/time_s"] for log in log_history if f"{PREFIX}/{phase}/time_s" in log]
+        if not times:
+            rows.append(f"{phase:<16}{0:>6}{'-':>13}{'-':>14}  (not logged)")
+            continue
+        peak_prefix = f"{PREFIX}/{phase}/peak_"
+        peak_keys = sorted({key for log in log_history for key in log if key.startswith(peak_prefix)})
+        peak = max(log[key] for log in log_history for key in peak_keys if key in log)
+        metric = ", ".join(key.rsplit("/", 1)[-1] for key in peak_keys)
+        rows.append(f"{phase:<16}{len(times):>6}{statistics.mean(times):>13.3f}{peak:>14.3f}  {metric}")
+    states = [log[f"{PREFIX}/prompt_state_gib"] for log in log_history if f"{PREFIX}/prompt_state_gib" in log]
+    rows.append(f"max prompt state: {max(states):.4f} GiB" if states else "max prompt state: (not logged)")
+    return "\n".join(rows)
+
+
+def main(script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConfig, model_args: ModelConfig) -> None:
+    model, tokenizer = load_model_and_tokenizer(script_args, training_args, model_args)
+    trainer = LongStrawGRPOTrainer(
+        model=model,
+        reward_funcs=[needle_reward, digits_only_reward],
+        args=training_args,
+        train_dataset=load_train_dataset(script_args, training_args.seed),
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+        quantization_config=get_quantization_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+
+    if trainer.accelerator.is_main_process:
+        print(f"LongStraw phases over {trainer.state.global_step} steps:\n{phase_table(trainer.state.log_history)}")
+        if "wandb" in training_args.report_to:
+            import wandb
+
+            # The Trainer's W&B callback leaves the run open after training; print where it lives, then close it.
+            if wandb.run is not None:
+                print(f"W&B run directory: {wandb.run.dir}")
+            wandb.finish()
+    trainer.end()
+
+
+if __name__ == "__main__":
+    parser = TrlParser((LongStrawScriptArguments, LongStrawGRPOConfig, ModelConfig))
+    main(*parser.parse_args_and_config())
