@@ -1,6 +1,6 @@
 """Measured parity of `replay_and_backward` with stock GRPOTrainer, per loss type, beta and gradient mode.
 
-    python benchmarks/parity.py
+    PYTHONPATH=. .venv/bin/python benchmarks/parity.py
 
 Uses the test suite's tiny random Qwen3 (fp32, 2 groups of 3, prompts of 11 and 7 tokens, ragged completions, old and
 reference log-probs perturbed so that clipping is active). Exact mode is compared with stock `compute_loss().backward()`;
@@ -10,23 +10,20 @@ detach mode with DESIGN.md's detached reference (HF cache under no_grad, deep-co
 import tempfile
 from pathlib import Path
 
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
 from trl import GRPOTrainer
 
-from tests.conftest import build_tokenizer, length_reward  # noqa: F401  (same fixtures as the tests)
 from tests.test_trainer import LOSS_TYPES, DetachedReferenceTrainer, run_pair
+from trl_longstraw.embedded import build_model, build_tokenizer
 
 
 def main() -> None:
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM
-
-    from trl_longstraw.embedded import build_model
-
     tokenizer = build_tokenizer()
     dataset = Dataset.from_dict({"prompt": ["abc"] * 8})
     root = Path(tempfile.mkdtemp())
 
-    def fresh_model(dtype=None, **_):
+    def fresh_model(**_):
         path = root / "model"
         if not path.exists():
             build_model("qwen3").save_pretrained(path)

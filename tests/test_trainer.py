@@ -57,21 +57,16 @@ def run_pair(reference_class, fresh_model, tokenizer, prompt_dataset, tmp_path, 
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_exact_mode_matches_stock_loss_and_gradients(loss_type, beta, fresh_model, tokenizer, prompt_dataset, tmp_path):
+@pytest.mark.parametrize(
+    "prompt_gradient, reference_class",
+    [("exact", GRPOTrainer), ("detach", DetachedReferenceTrainer)],
+    ids=["exact-vs-stock", "detach-vs-detached-reference"],
+)
+def test_loss_and_gradients_match_the_reference(prompt_gradient, reference_class, loss_type, beta, fresh_model,
+                                                tokenizer, prompt_dataset, tmp_path):
     ref_loss, loss, ref_grads, grads = run_pair(
-        GRPOTrainer, fresh_model, tokenizer, prompt_dataset, tmp_path,
-        loss_type=loss_type, beta=beta, prompt_gradient="exact",
-    )
-    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
-    assert max_relative_error(grads, ref_grads) <= 1e-4
-
-
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_detach_mode_matches_detached_reference(loss_type, beta, fresh_model, tokenizer, prompt_dataset, tmp_path):
-    ref_loss, loss, ref_grads, grads = run_pair(
-        DetachedReferenceTrainer, fresh_model, tokenizer, prompt_dataset, tmp_path,
-        loss_type=loss_type, beta=beta, prompt_gradient="detach",
+        reference_class, fresh_model, tokenizer, prompt_dataset, tmp_path,
+        loss_type=loss_type, beta=beta, prompt_gradient=prompt_gradient,
     )
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
     assert max_relative_error(grads, ref_grads) <= 1e-4
