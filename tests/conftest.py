@@ -115,9 +115,13 @@ def grads_of(model):
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def max_relative_error(got, want):
+def max_relative_error(got, want, floor_fraction=0.0):
+    """Largest per-tensor relative error; with `floor_fraction`, norms below that fraction of the global gradient
+    norm are measured against the floor instead (DESIGN.md: GatedDeltaNet's A_log/dt_bias gradients are tiny sums
+    with heavy cancellation, which two exact orderings of the same math disagree on far above rounding)."""
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
-    return max(((got[k] - want[k]).norm() / want[k].norm().clamp(min=1e-30)).item() for k in want)
+    floor = floor_fraction * torch.sqrt(sum(w.norm() ** 2 for w in want.values()))
+    return max(((got[k] - want[k]).norm() / torch.maximum(want[k].norm(), floor).clamp(min=1e-30)).item() for k in want)
 
 
 @pytest.fixture

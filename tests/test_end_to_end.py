@@ -51,6 +51,21 @@ def test_lora_training_updates_the_adapter_and_logs_phases(prompt_gradient, fres
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("prompt_gradient", ["detach", "exact"])
+def test_lora_training_on_a_gated_deltanet_hybrid(prompt_gradient, fresh_model, tokenizer, prompt_dataset, tmp_path):
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "in_proj_qkv", "out_proj"])
+    trainer = make_trainer(
+        LongStrawGRPOTrainer, fresh_model("qwen3_5"), tokenizer, prompt_dataset, tmp_path, peft_config=lora,
+        reward_funcs=distinct_reward, max_steps=1, beta=0.04, learning_rate=1e-2, prompt_gradient=prompt_gradient,
+        prefill_chunk_size=16,
+    )
+    changed, logs = train(trainer)
+    assert any("in_proj_qkv" in name for name in changed) and any("q_proj" in name for name in changed)
+    assert len(logs) == 1 and torch.isfinite(torch.tensor(logs[0]["loss"]))
+    assert logs[0]["longstraw/capture_ref/time_s"] > 0
+
+
+@pytest.mark.slow
 def test_qlora_nf4_training(tokenizer, prompt_dataset, tmp_path):
     build_model("qwen3").save_pretrained(tmp_path / "base")
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",

@@ -8,7 +8,7 @@ from trl.trainer.utils import add_fused_lm_head
 from trl_longstraw.attention import ATTENTION_IMPLEMENTATION, register_attention
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine, NonFiniteError
-from trl_longstraw.state import StaleStateError
+from trl_longstraw.state import AttentionPages, StaleStateError
 
 
 def prepared(model):
@@ -44,7 +44,7 @@ MISTRAL_SLIDING = dict(vocab_size=102, hidden_size=64, intermediate_size=128, nu
                        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=6)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "llama", "mistral-sliding"])
+@pytest.mark.parametrize("model_type", ["qwen3", "llama", "mistral-sliding", "qwen3_5"])
 @pytest.mark.parametrize("prefill_chunk, attention_chunk", [(1000, 1000), (4, 3), (7, 1)])
 def test_score_matches_full_forward(model_type, prefill_chunk, attention_chunk):
     if model_type == "mistral-sliding":
@@ -72,18 +72,39 @@ def test_sliding_window_state_keeps_only_the_window():
     assert all(pages.key.shape[1] == MISTRAL_SLIDING["sliding_window"] - 1 for pages in state.layers.values())
 
 
-def test_replay_matches_score_and_leaves_the_state_bitwise_unchanged():
-    model = prepared(build_model("qwen3"))
+@pytest.mark.parametrize("model_type, prompt_gradient", [("qwen3", "detach"), ("qwen3_5", "detach"),
+                                                          ("qwen3_5", "exact")])
+def test_replay_matches_score_and_leaves_the_state_bitwise_unchanged(model_type, prompt_gradient):
+    model = prepared(build_model(model_type))
     prompt, completions, lengths = case()
-    engine = LongStrawEngine(8, 5)
+    engine = LongStrawEngine(8, 5, prompt_gradient=prompt_gradient)
     state = engine.capture(model, prompt, first_position=0)
-    before = [t.clone() for t in state.tensors()]
+    if prompt_gradient == "exact":
+        state.requires_grad_()
+    before = [t.detach().clone() for t in state.tensors()]
     scored, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
     for member in range(3):
         logps, entropies = engine.replay(model, state, prompt[-1:], completions[member], int(lengths[member]))
         (logps.sum() + entropies.sum()).backward()
         assert torch.allclose(logps.detach(), scored[member, : int(lengths[member])], atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(before, state.tensors(), strict=True))
+    if prompt_gradient == "exact":  # the state the replays read received their gradient (earlier chunk boundaries
+        # of linear-attention layers only get theirs in the prompt backward)
+        for layer in state.layers.values():
+            read = [layer.key, layer.value] if isinstance(layer, AttentionPages) else [layer.conv[-1], layer.recurrent[-1]]
+            assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in read)
+
+
+def test_gated_deltanet_state_size_is_independent_of_the_prompt_length():
+    model = prepared(build_model("qwen3_5"))
+    engine = LongStrawEngine(16, 16)
+    short, long = (engine.capture(model, case(prompt_length=n)[0], 0) for n in (20, 60))
+    linear = [i for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
+    for i in linear:
+        assert [t.shape for t in short.layers[i].tensors()] == [t.shape for t in long.layers[i].tensors()]
+    assert long.nbytes() - short.nbytes() == 40 * sum(
+        t[:, :1].numel() * t.element_size() for i in set(long.layers) - set(linear) for t in long.layers[i].tensors()
+    )
 
 
 def test_state_holds_kv_pages_of_all_but_the_last_prompt_token():

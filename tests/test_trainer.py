@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from transformers.cache_utils import LinearAttentionLayer
 from trl import GRPOTrainer
 
 from trl_longstraw import LongStrawGRPOTrainer
@@ -11,6 +12,23 @@ from trl_longstraw import LongStrawGRPOTrainer
 from .conftest import add_old_and_ref_logps, grads_of, make_trainer, max_relative_error, synthetic_inputs
 
 LOSS_TYPES = ["grpo", "dapo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
+
+
+class OutOfPlaceLinearAttentionLayer(LinearAttentionLayer):
+    """HF's GatedDeltaNet cache layer, except that the recurrent state is replaced instead of `copy_`-ed into: HF's
+    in-place update would overwrite the tensor the replay's graph reads (autograd refuses that)."""
+
+    def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
+        self.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+
+
+def replayable_copy(cache):
+    replay_cache = copy.deepcopy(cache)
+    for layer in replay_cache.layers:
+        if isinstance(layer, LinearAttentionLayer):
+            layer.__class__ = OutOfPlaceLinearAttentionLayer
+    return replay_cache
 
 
 class DetachedReferenceTrainer(GRPOTrainer):
@@ -34,14 +52,15 @@ class DetachedReferenceTrainer(GRPOTrainer):
             replay = torch.cat([prompt[-1:], completion[:-1]])
             labels = completion.masked_fill(torch.arange(logits_to_keep) >= length, -100)
             out = model(input_ids=replay[None], position_ids=positions[None, prompt.numel() - 1 : -1],
-                        cache=copy.deepcopy(cache), shift_labels=labels[None], fused_lm_head=True)
+                        cache=replayable_copy(cache), shift_labels=labels[None], fused_lm_head=True)
             rows_logps.append(out.log_probs[0])
             rows_entropies.append(out.entropy[0])
         return torch.stack(rows_logps), torch.stack(rows_entropies), None
 
 
-def run_pair(reference_class, fresh_model, tokenizer, prompt_dataset, tmp_path, dtype=torch.float32, **args):
-    model = fresh_model(dtype=dtype)
+def run_pair(reference_class, fresh_model, tokenizer, prompt_dataset, tmp_path, dtype=torch.float32,
+             model_type="qwen3", **args):
+    model = fresh_model(model_type=model_type, dtype=dtype)
     reference = make_trainer(reference_class, copy.deepcopy(model), tokenizer, prompt_dataset, tmp_path / "ref",
                              **args)
     ours = make_trainer(LongStrawGRPOTrainer, copy.deepcopy(model), tokenizer, prompt_dataset, tmp_path / "ours",
@@ -90,3 +109,19 @@ def test_exact_mode_matches_stock_with_loss_options(setting, fresh_model, tokeni
     )
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert max_relative_error(grads, ref_grads) <= 1e-4
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize(
+    "prompt_gradient, reference_class",
+    [("exact", GRPOTrainer), ("detach", DetachedReferenceTrainer)],
+    ids=["exact-vs-stock", "detach-vs-detached-reference"],
+)
+def test_gated_deltanet_hybrid_matches_the_reference(prompt_gradient, reference_class, loss_type, fresh_model,
+                                                     tokenizer, prompt_dataset, tmp_path):
+    ref_loss, loss, ref_grads, grads = run_pair(
+        reference_class, fresh_model, tokenizer, prompt_dataset, tmp_path, model_type="qwen3_5",
+        loss_type=loss_type, beta=0.04, prompt_gradient=prompt_gradient,
+    )
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
+    assert max_relative_error(grads, ref_grads, floor_fraction=1e-3) <= 1e-4

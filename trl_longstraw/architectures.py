@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
-# Decoders whose every token mixer is softmax attention routed through transformers' AttentionInterface with
-# standard GQA shapes, no logit soft-capping and no attention sinks.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Decoders whose token mixers LongStraw has a prompt state for, with the layer types each may use. Softmax attention
+# must go through transformers' AttentionInterface with standard GQA shapes (no logit soft-capping, no sinks);
+# GatedDeltaNet layers go through the Cache API (`get/update_conv_state`, `get/update_recurrent_state`).
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+SUPPORTED_LAYER_TYPES = {
+    "llama": ATTENTION_LAYER_TYPES,
+    "mistral": ATTENTION_LAYER_TYPES,
+    "qwen2": ATTENTION_LAYER_TYPES,
+    "qwen3": ATTENTION_LAYER_TYPES,
+    "qwen3_5_text": ("full_attention", "linear_attention"),
+}
+SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_LAYER_TYPES)
 
 
 class UnsupportedModelError(ValueError):
@@ -21,13 +29,13 @@ def check_supported(config: PretrainedConfig) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"LongStrawGRPOTrainer has no prompt state for model_type={model_type!r}. Supported model types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} (layer types: {', '.join(SUPPORTED_LAYER_TYPES)})."
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}."
         )
     for index, layer_type in enumerate(getattr(text_config, "layer_types", None) or []):
-        if layer_type not in SUPPORTED_LAYER_TYPES:
+        if layer_type not in SUPPORTED_LAYER_TYPES[model_type]:
             raise UnsupportedModelError(
                 f"Layer {index} of this {model_type} model is a {layer_type!r} layer, which LongStraw cannot capture. "
-                f"Supported layer types: {', '.join(SUPPORTED_LAYER_TYPES)}."
+                f"Supported layer types for {model_type}: {', '.join(SUPPORTED_LAYER_TYPES[model_type])}."
             )
     if getattr(text_config, "attention_dropout", 0.0):
         raise UnsupportedModelError(

@@ -10,7 +10,7 @@ import string
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3_5TextConfig, Qwen3Config
 
 PAD, EOS = "<pad>", "<eos>"
 CHAT_TEMPLATE = (
@@ -33,7 +33,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_config(model_type: str = "qwen3", vocab_size: int = 102, **overrides):
-    """A few-layer GQA decoder config with random weights in mind (hidden 64, 4 query / 2 kv heads)."""
+    """A few-layer decoder config for random weights: GQA `qwen3`/`llama`, or a `qwen3_5` GatedDeltaNet hybrid."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -48,12 +48,22 @@ def tiny_config(model_type: str = "qwen3", vocab_size: int = 102, **overrides):
         bos_token_id=None,
         tie_word_embeddings=False,
     )
-    common.update(overrides)
     if model_type == "qwen3":
-        return Qwen3Config(**common)
+        return Qwen3Config(**{**common, **overrides})
     if model_type == "llama":
-        return LlamaConfig(**common)
-    raise ValueError(f"model_type={model_type!r}: the embedded configs are 'qwen3' and 'llama'")
+        return LlamaConfig(**{**common, **overrides})
+    if model_type == "qwen3_5":
+        # The paper's hybrid in miniature: GatedDeltaNet layers with a full-attention layer every 4th (the last).
+        hybrid = dict(
+            num_hidden_layers=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+        )
+        return Qwen3_5TextConfig(**{**common, **hybrid, **overrides})
+    raise ValueError(f"model_type={model_type!r}: the embedded configs are 'qwen3', 'llama' and 'qwen3_5'")
 
 
 def build_model(model_type: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):

@@ -84,48 +84,60 @@ class LongStrawEngine:
     @torch.no_grad()
     def capture(self, model: nn.Module, prompt_ids: torch.Tensor, first_position: int) -> PromptState:
         """Run all but the last of `prompt_ids` (1-D, real tokens only) without autograd and keep their state."""
-        device = self._device(model)
         num_tokens = prompt_ids.numel() - 1
         state = PromptState(
             num_tokens=num_tokens,
             start_position=first_position,
-            device=self.state_device or device,
+            chunk_size=self.prefill_chunk_size,
+            device=self.state_device or self._device(model),
             weights_version=weights_version(model),
-            keep_full_window=self.prompt_gradient == "exact",
+            exact=self.prompt_gradient == "exact",
         )
-        for start in range(0, num_tokens, self.prefill_chunk_size):
+        for chunk_index, start in enumerate(range(0, num_tokens, self.prefill_chunk_size)):
             end = min(start + self.prefill_chunk_size, num_tokens)
-            self._backbone_forward(model, state, "capture", prompt_ids[start:end], first_position + start)
+            self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk_index)
         for index, tensor in enumerate(state.tensors()):
             ensure_finite(tensor, f"the captured prompt state (tensor {index})")
         return state
 
-    def _backbone_forward(self, model, state, mode, token_ids, first_position, page_limit=None) -> StateAccess:
+    def _backbone_forward(self, model, state, mode, token_ids, start, chunk_index) -> StateAccess:
+        """One prompt chunk through the decoder stack (capture, or exact-mode recompute), pages read up to `start`."""
         device = self._device(model)
+        first_position = state.start_position + start
         positions = torch.arange(first_position, first_position + token_ids.numel(), device=device)
-        access = StateAccess(state, mode, positions, self.attention_chunk_size, page_limit=page_limit)
+        access = StateAccess(
+            state, mode, positions, self.attention_chunk_size, chunk_index=chunk_index,
+            page_limit=None if mode == "capture" else start,
+        )
         model.base_model(
-            input_ids=token_ids.to(device)[None], position_ids=positions[None], use_cache=False, **{STATE_KWARG: access}
+            input_ids=token_ids.to(device)[None], position_ids=positions[None], cache=access, use_cache=False,
+            **{STATE_KWARG: access},
         )
         return access
 
     def _member_forward(self, model, state, last_prompt_token, completions, lengths):
-        """Log-probs and entropies of `completions [n, T]` (right-padded; `lengths [n]` real tokens) given the state."""
+        """Log-probs and entropies of `completions [n, T]` (right-padded; `lengths [n]` real tokens) given the state.
+
+        The input is `[last prompt token, completion...]`, one token longer than needed: the extra (last) token is
+        never scored, but it keeps every replay at least two tokens long, so linear-attention layers take their
+        chunked (differentiable) kernel path rather than the single-token decode kernel.
+        """
         state.check_fresh(weights_version(model))
         device = self._device(model)
         width = int(lengths.max())
         completions = completions[:, :width].to(device)
         real = torch.arange(width, device=device)[None, :] < lengths.to(device)[:, None]
-        inputs = torch.cat([last_prompt_token.to(device).expand(len(completions), 1), completions[:, :-1]], dim=1)
-        labels = completions.masked_fill(~real, -100)
+        inputs = torch.cat([last_prompt_token.to(device).expand(len(completions), 1), completions], dim=1)
+        labels = torch.cat([completions.masked_fill(~real, -100), completions.new_full((len(completions), 1), -100)], 1)
         first_position = state.start_position + state.num_tokens
-        positions = torch.arange(first_position, first_position + width, device=device)
-        access = StateAccess(state, "read", positions, self.attention_chunk_size)
+        positions = torch.arange(first_position, first_position + width + 1, device=device)
+        access = StateAccess(state, "read", positions, self.attention_chunk_size, batch_size=len(completions))
         outputs = model(
-            input_ids=inputs, position_ids=positions[None], shift_labels=labels, fused_lm_head=True,
+            input_ids=inputs, position_ids=positions[None], shift_labels=labels, fused_lm_head=True, cache=access,
             **{STATE_KWARG: access},
         )
-        return outputs.log_probs, outputs.entropy
+        entropies = None if outputs.entropy is None else outputs.entropy[:, :width]
+        return outputs.log_probs[:, :width], entropies
 
     @torch.no_grad()
     def score(
@@ -183,17 +195,15 @@ class LongStrawEngine:
         """
         state.check_fresh(weights_version(model))
         with no_layer_checkpointing(model), torch.enable_grad():
-            for start in reversed(range(0, state.num_tokens, self.prefill_chunk_size)):
+            starts = list(range(0, state.num_tokens, self.prefill_chunk_size))
+            for chunk_index in reversed(range(len(starts))):
+                start = starts[chunk_index]
                 end = min(start + self.prefill_chunk_size, state.num_tokens)
-                access = self._backbone_forward(
-                    model, state, "recompute", prompt_ids[start:end], state.start_position + start, page_limit=start
-                )
-                outputs, grads = [], []
-                for pages, recomputed in access.recorded.items():
-                    for tensor, leaf in zip(recomputed, (pages.key, pages.value), strict=True):
-                        if leaf.grad is None:
-                            continue
-                        outputs.append(tensor)
-                        grads.append(leaf.grad[:, start:end].to(tensor.device, tensor.dtype, copy=True))
-                if outputs:
-                    torch.autograd.backward(outputs, grads)
+                access = self._backbone_forward(model, state, "recompute", prompt_ids[start:end], start, chunk_index)
+                pairs = [
+                    pair
+                    for layer_state, recorded in access.recorded.items()
+                    for pair in layer_state.recompute_pairs(recorded, chunk_index, start, end)
+                ]
+                if pairs:
+                    torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])

@@ -85,3 +85,11 @@ class AttentionPages:
         self.key[:, self.length : end] = key
         self.value[:, self.length : end] = value
         self.length = end
+
+    def recompute_pairs(self, recorded, chunk_index: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(recomputed K or V of pages [start, end), their accumulated gradient) for the exact prompt backward."""
+        pairs = []
+        for recomputed, leaf in zip(recorded, (self.key, self.value), strict=True):
+            if leaf.grad is not None:
+                pairs.append((recomputed, leaf.grad[:, start:end].to(recomputed.device, recomputed.dtype, copy=True)))
+        return pairs
