@@ -62,7 +62,7 @@ class LongStrawScriptArguments:
         metadata={
             "help": "Architecture of the embedded tiny random-weight model, used when `model_name_or_path` is unset "
             f"or '{EMBEDDED}'.",
-            "choices": ["qwen3", "llama"],
+            "choices": ["qwen3", "llama", "qwen3_5"],
         },
     )
 

@@ -8,7 +8,7 @@ from trl.trainer.utils import add_fused_lm_head
 from trl_longstraw.attention import ATTENTION_IMPLEMENTATION, register_attention
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine, NonFiniteError
-from trl_longstraw.state import AttentionPages, StaleStateError
+from trl_longstraw.state import LinearAttentionState, StaleStateError
 
 
 def prepared(model):
@@ -44,12 +44,18 @@ MISTRAL_SLIDING = dict(vocab_size=102, hidden_size=64, intermediate_size=128, nu
                        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=6)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "llama", "mistral-sliding", "qwen3_5"])
+# glm_moe_dsa: index_topk 64 >= every sequence here (dense selection); glm_moe_dsa-sparse: top-12 of up to 36 keys.
+# DSA's top-k is discontinuous at ties, which ReLU makes common (a key every index head scores negative gets exactly
+# 0): the sparse case uses 32 index heads so that no key scores exactly 0 and no tie sits at the selection boundary.
+@pytest.mark.parametrize("model_type", ["qwen3", "llama", "mistral-sliding", "qwen3_5", "glm_moe_dsa",
+                                        "glm_moe_dsa-sparse"])
 @pytest.mark.parametrize("prefill_chunk, attention_chunk", [(1000, 1000), (4, 3), (7, 1)])
 def test_score_matches_full_forward(model_type, prefill_chunk, attention_chunk):
     if model_type == "mistral-sliding":
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(MistralConfig(**MISTRAL_SLIDING))
+    elif model_type == "glm_moe_dsa-sparse":
+        model = build_model("glm_moe_dsa", index_topk=12, index_n_heads=32)
     else:
         model = build_model(model_type)
     model = prepared(model)
@@ -73,7 +79,8 @@ def test_sliding_window_state_keeps_only_the_window():
 
 
 @pytest.mark.parametrize("model_type, prompt_gradient", [("qwen3", "detach"), ("qwen3_5", "detach"),
-                                                          ("qwen3_5", "exact")])
+                                                          ("qwen3_5", "exact"), ("glm_moe_dsa", "detach"),
+                                                          ("glm_moe_dsa", "exact")])
 def test_replay_matches_score_and_leaves_the_state_bitwise_unchanged(model_type, prompt_gradient):
     model = prepared(build_model(model_type))
     prompt, completions, lengths = case()
@@ -91,7 +98,10 @@ def test_replay_matches_score_and_leaves_the_state_bitwise_unchanged(model_type,
     if prompt_gradient == "exact":  # the state the replays read received their gradient (earlier chunk boundaries
         # of linear-attention layers only get theirs in the prompt backward)
         for layer in state.layers.values():
-            read = [layer.key, layer.value] if isinstance(layer, AttentionPages) else [layer.conv[-1], layer.recurrent[-1]]
+            if isinstance(layer, LinearAttentionState):
+                read = [layer.conv[-1], layer.recurrent[-1]]
+            else:
+                read = layer.tensors() if layer.differentiable else []
             assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in read)
 
 
@@ -99,12 +109,12 @@ def test_gated_deltanet_state_size_is_independent_of_the_prompt_length():
     model = prepared(build_model("qwen3_5"))
     engine = LongStrawEngine(16, 16)
     short, long = (engine.capture(model, case(prompt_length=n)[0], 0) for n in (20, 60))
-    linear = [i for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
-    for i in linear:
-        assert [t.shape for t in short.layers[i].tensors()] == [t.shape for t in long.layers[i].tensors()]
-    assert long.nbytes() - short.nbytes() == 40 * sum(
-        t[:, :1].numel() * t.element_size() for i in set(long.layers) - set(linear) for t in long.layers[i].tensors()
-    )
+
+    def shapes(state, kind):
+        return [t.shape for key in sorted(state.layers) if key[1] == kind for t in state.layers[key].tensors()]
+
+    assert shapes(short, "LinearAttentionState") == shapes(long, "LinearAttentionState")
+    assert [s[1] + 40 for s in shapes(short, "AttentionPages")] == [s[1] for s in shapes(long, "AttentionPages")]
 
 
 def test_state_holds_kv_pages_of_all_but_the_last_prompt_token():

@@ -56,7 +56,11 @@ class StateAccount:
 def _layer_types(config: PretrainedConfig) -> list[str]:
     if config.model_type in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):
         return ["mla"] * config.num_hidden_layers
-    return list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    if getattr(config, "layer_types", None):
+        return list(config.layer_types)
+    # Configs without layer types (Mistral) apply their sliding window, if any, to every layer.
+    uniform = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    return [uniform] * config.num_hidden_layers
 
 
 def prompt_state_account(config: PretrainedConfig, dtype_bytes: int = 2, exact: bool = False) -> StateAccount:

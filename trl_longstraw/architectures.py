@@ -6,7 +6,8 @@ from transformers import PretrainedConfig
 
 # Decoders whose token mixers LongStraw has a prompt state for, with the layer types each may use. Softmax attention
 # must go through transformers' AttentionInterface with standard GQA shapes (no logit soft-capping, no sinks);
-# GatedDeltaNet layers go through the Cache API (`get/update_conv_state`, `get/update_recurrent_state`).
+# GatedDeltaNet layers go through the Cache API (`get/update_conv_state`, `get/update_recurrent_state`); MLA/DSA
+# layers (`glm_moe_dsa`) cache their latent through `Cache.update` and their indexer keys through `update_indexer`.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 SUPPORTED_LAYER_TYPES = {
     "llama": ATTENTION_LAYER_TYPES,
@@ -14,6 +15,7 @@ SUPPORTED_LAYER_TYPES = {
     "qwen2": ATTENTION_LAYER_TYPES,
     "qwen3": ATTENTION_LAYER_TYPES,
     "qwen3_5_text": ("full_attention", "linear_attention"),
+    "glm_moe_dsa": ("indexed_attention",),
 }
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_LAYER_TYPES)
 

@@ -13,6 +13,8 @@ no `[queries, prefix]` score matrix ever exists in full, forward or backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -39,17 +41,28 @@ def _chunk_mask(
     return visible
 
 
+def _mask_scores(scores, q_positions, k_positions, start, end, sliding_window, selection) -> None:
+    mask = _chunk_mask(q_positions, k_positions[start:end], sliding_window)
+    if selection is not None:
+        selected = selection(start, end)
+        mask = selected if mask is None else mask & selected
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+
+
 class ChunkedAttention(torch.autograd.Function):
     """Attention of grouped queries over one key/value block, in key chunks, returning output and log-sum-exp.
 
     Shapes: `q [kv_heads, rows, d]` (a kv head's query heads, batch and tokens folded into rows), `k [kv_heads, keys,
     d]`, `v [kv_heads, keys, dv]`, `q_positions [rows]`, `k_positions [keys]` (absolute token positions). Keys may
-    live on another device than the queries (host-resident prompt state): each chunk is staged on use.
+    live on another device than the queries (host-resident prompt state): each chunk is staged on use. `selection`,
+    if given, maps a key range `(start, end)` to a boolean `[kv_heads or 1, rows, end - start]` of the keys each row
+    may see (DSA's top-k), on top of causality.
     Returns `o [kv_heads, rows, dv]` (zero for rows that see no key) and `lse [kv_heads, rows]` (-inf there).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, q_positions, k_positions, scaling, sliding_window, chunk_size):
+    def forward(ctx, q, k, v, q_positions, k_positions, scaling, sliding_window, chunk_size, selection=None):
         acc = _accumulation_dtype(q.dtype)
         qf = q.to(acc)
         heads, rows, _ = q.shape
@@ -61,9 +74,7 @@ class ChunkedAttention(torch.autograd.Function):
             kc = k[:, start:end].to(q.device, acc, non_blocking=True)
             vc = v[:, start:end].to(q.device, acc, non_blocking=True)
             scores = torch.matmul(qf, kc.transpose(1, 2)).mul_(scaling)
-            mask = _chunk_mask(q_positions, k_positions[start:end], sliding_window)
-            if mask is not None:
-                scores.masked_fill_(~mask, float("-inf"))
+            _mask_scores(scores, q_positions, k_positions, start, end, sliding_window, selection)
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
             rescale = torch.exp(row_max - safe_max)
@@ -75,7 +86,7 @@ class ChunkedAttention(torch.autograd.Function):
         lse = torch.where(seen, torch.log(row_sum.clamp(min=torch.finfo(acc).tiny)) + row_max, row_max)
         out = torch.where(seen[..., None], out / row_sum.clamp(min=torch.finfo(acc).tiny)[..., None], 0.0)
         ctx.save_for_backward(q, k, v, q_positions, k_positions, out, lse)
-        ctx.scaling, ctx.sliding_window, ctx.chunk_size = scaling, sliding_window, chunk_size
+        ctx.scaling, ctx.sliding_window, ctx.chunk_size, ctx.selection = scaling, sliding_window, chunk_size, selection
         return out.to(q.dtype), lse
 
     @staticmethod
@@ -97,9 +108,7 @@ class ChunkedAttention(torch.autograd.Function):
             kc = k[:, start:end].to(q.device, acc)
             vc = v[:, start:end].to(q.device, acc)
             scores = torch.matmul(qf, kc.transpose(1, 2)).mul_(ctx.scaling)
-            mask = _chunk_mask(q_positions, k_positions[start:end], ctx.sliding_window)
-            if mask is not None:
-                scores.masked_fill_(~mask, float("-inf"))
+            _mask_scores(scores, q_positions, k_positions, start, end, ctx.sliding_window, ctx.selection)
             probs = torch.exp(scores.sub_(safe_lse[..., None]))
             if need_v:
                 grad_v[:, start:end] = torch.matmul(probs.transpose(1, 2), grad_out).to(v.device, v.dtype)
@@ -110,7 +119,7 @@ class ChunkedAttention(torch.autograd.Function):
             if need_k:
                 grad_k[:, start:end] = torch.matmul(grad_scores.transpose(1, 2), qf).to(k.device, k.dtype)
         grad_q = grad_q.to(q.dtype) if need_q else None
-        return grad_q, grad_k, grad_v, None, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None, None, None
 
 
 def chunked_attention(
@@ -122,19 +131,28 @@ def chunked_attention(
     scaling: float,
     sliding_window: int | None,
     chunk_size: int,
+    selected: Callable[[int, int], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped-query attention of `q [batch, heads, tokens, d]` over `k, v [kv_heads, keys, d]` shared by the batch.
 
     Returns `o [batch, heads, tokens, dv]` and `lse [batch, heads, tokens]`. The kv heads are never repeated: the
     query heads of one kv head are folded into rows, so a GQA prefix is read once per chunk, not once per query head.
+    `selected(start, end)`, if given, returns the boolean `[batch, tokens, end - start]` of keys each token may see.
     """
     batch, heads, tokens, dim = q.shape
     kv_heads = k.shape[0]
     groups = heads // kv_heads
     rows = q.view(batch, kv_heads, groups, tokens, dim).permute(1, 0, 2, 3, 4).reshape(kv_heads, -1, dim)
     row_positions = q_positions.repeat(batch * groups)
+    selection = None
+    if selected is not None:
+
+        def selection(start: int, end: int) -> torch.Tensor:  # rows are (batch, group, token) within a kv head
+            chunk = selected(start, end)[:, None].expand(batch, groups, tokens, end - start)
+            return chunk.reshape(1, batch * groups * tokens, end - start)
+
     out, lse = ChunkedAttention.apply(
-        rows, k, v, row_positions, k_positions, scaling, sliding_window, chunk_size
+        rows, k, v, row_positions, k_positions, scaling, sliding_window, chunk_size, selection
     )
     out = out.view(kv_heads, batch, groups, tokens, -1).permute(1, 0, 2, 3, 4).reshape(batch, heads, tokens, -1)
     lse = lse.view(kv_heads, batch, groups, tokens).permute(1, 0, 2, 3).reshape(batch, heads, tokens)
@@ -168,14 +186,26 @@ def longstraw_attention_forward(
     """
     state_access = kwargs.pop(STATE_KWARG, None)
     if state_access is None:
+        indices = kwargs.pop("indices", None)
+        if indices is not None:  # DSA top-k: transformers turns it into a mask only for its own eager/sdpa names
+            attention_mask = _restrict_to_selection(attention_mask, indices, key.shape[2])
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, sliding_window=sliding_window,
             **kwargs,
         )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    out = state_access.attend(module.layer_idx, query, key, value, scaling, sliding_window)
+    out = state_access.attend(module, query, key, value, scaling, sliding_window, kwargs.get("indices"))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _restrict_to_selection(attention_mask: torch.Tensor, indices: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """The causal mask further restricted to each query's top-k keys, as transformers does for DSA under SDPA."""
+    batch, tokens = indices.shape[:2]
+    selected = indices.new_zeros((batch, tokens, num_keys), dtype=torch.bool).scatter(-1, indices.long(), True)
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & selected[:, None]
+    return attention_mask.masked_fill(~selected[:, None], torch.finfo(attention_mask.dtype).min)
 
 
 def register_attention() -> None:

@@ -10,7 +10,14 @@ import string
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3_5TextConfig, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    GlmMoeDsaConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen3_5TextConfig,
+    Qwen3Config,
+)
 
 PAD, EOS = "<pad>", "<eos>"
 CHAT_TEMPLATE = (
@@ -63,7 +70,34 @@ def tiny_config(model_type: str = "qwen3", vocab_size: int = 102, **overrides):
             linear_conv_kernel_dim=4,
         )
         return Qwen3_5TextConfig(**{**common, **hybrid, **overrides})
-    raise ValueError(f"model_type={model_type!r}: the embedded configs are 'qwen3', 'llama' and 'qwen3_5'")
+    if model_type == "glm_moe_dsa":
+        # GLM-5 in miniature: MLA (latent 16 + rope 8 per token), a DSA indexer on layers 0 and 2 with IndexShare on
+        # layer 1, one dense then MoE FFNs.
+        glm = dict(
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            index_topk=64,
+            index_n_heads=4,
+            index_head_dim=16,
+            indexer_types=["full", "shared", "full"],
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+        )
+        common.pop("head_dim")
+        return GlmMoeDsaConfig(**{**common, **glm, **overrides})
+    raise ValueError(
+        f"model_type={model_type!r}: the embedded configs are 'qwen3', 'llama', 'qwen3_5' and 'glm_moe_dsa'"
+    )
 
 
 def build_model(model_type: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):

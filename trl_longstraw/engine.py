@@ -88,10 +88,10 @@ class LongStrawEngine:
         state = PromptState(
             num_tokens=num_tokens,
             start_position=first_position,
-            chunk_size=self.prefill_chunk_size,
             device=self.state_device or self._device(model),
             weights_version=weights_version(model),
             exact=self.prompt_gradient == "exact",
+            indexed=getattr(model.config.get_text_config(), "index_topk", None) is not None,
         )
         for chunk_index, start in enumerate(range(0, num_tokens, self.prefill_chunk_size)):
             end = min(start + self.prefill_chunk_size, num_tokens)
@@ -105,10 +105,7 @@ class LongStrawEngine:
         device = self._device(model)
         first_position = state.start_position + start
         positions = torch.arange(first_position, first_position + token_ids.numel(), device=device)
-        access = StateAccess(
-            state, mode, positions, self.attention_chunk_size, chunk_index=chunk_index,
-            page_limit=None if mode == "capture" else start,
-        )
+        access = StateAccess(state, mode, positions, self.attention_chunk_size, start, chunk_index=chunk_index)
         model.base_model(
             input_ids=token_ids.to(device)[None], position_ids=positions[None], cache=access, use_cache=False,
             **{STATE_KWARG: access},
@@ -131,7 +128,9 @@ class LongStrawEngine:
         labels = torch.cat([completions.masked_fill(~real, -100), completions.new_full((len(completions), 1), -100)], 1)
         first_position = state.start_position + state.num_tokens
         positions = torch.arange(first_position, first_position + width + 1, device=device)
-        access = StateAccess(state, "read", positions, self.attention_chunk_size, batch_size=len(completions))
+        access = StateAccess(
+            state, "read", positions, self.attention_chunk_size, state.num_tokens, batch_size=len(completions)
+        )
         outputs = model(
             input_ids=inputs, position_ids=positions[None], shift_labels=labels, fused_lm_head=True, cache=access,
             **{STATE_KWARG: access},

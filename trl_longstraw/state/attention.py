@@ -15,6 +15,8 @@ from ..attention import chunked_attention, merge_by_lse
 class AttentionPages:
     """K/V pages of one attention layer. Written only during capture; read-only afterwards."""
 
+    differentiable = True
+
     def __init__(self, capacity: int, start_position: int, device: torch.device, keep_full_window: bool):
         self.capacity = capacity
         self.start_position = start_position  # absolute position of page entry 0
@@ -48,7 +50,9 @@ class AttentionPages:
         )
         own_out = own_out.view(batch, heads, tokens, -1)
         own_lse = own_lse.view(batch, heads, tokens)
-        limit = self.length if access.page_limit is None else access.page_limit
+        # Pages hold every captured token (or, sliding window, the last ones): all are visible except while the exact
+        # recompute of a chunk reads only the pages before it.
+        limit = access.prefix_length if access.mode == "recompute" else self.length
         if limit > 0:
             prefix_out, prefix_lse = chunked_attention(
                 query, self.key[:, :limit], self.value[:, :limit], q_positions,

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 class LinearAttentionState:
     """Conv and recurrent state of one GatedDeltaNet layer after the captured prompt (and, exact mode, per chunk)."""
 
+    differentiable = True
+
     def __init__(self, device: torch.device, keep_boundaries: bool):
         self.device = device
         self.keep_boundaries = keep_boundaries
