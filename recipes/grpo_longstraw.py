@@ -58,7 +58,7 @@ class LongStrawScriptArguments:
         },
     )
     embedded_model_type: str = field(
-        default="qwen3",
+        default="qwen3_5",
         metadata={
             "help": "Architecture of the embedded tiny random-weight model, used when `model_name_or_path` is unset "
             f"or '{EMBEDDED}'.",

@@ -90,3 +90,9 @@ def test_non_finite_member_is_named(trainer, tokenizer):
         trainer.model.model.embed_tokens.weight[poisoned] = float("nan")
     with pytest.raises(NonFiniteError, match=r"phase 'score' \(capture\), group 1, member 1"):
         trainer.replay_and_backward(trainer.model, inputs)
+
+
+def test_moe_aux_loss_is_refused(fresh_model, tokenizer, prompt_dataset, tmp_path):
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.01.*Set router_aux_loss_coef=0.0"):
+        make_trainer(LongStrawGRPOTrainer, fresh_model("glm_moe_dsa"), tokenizer, prompt_dataset, tmp_path,
+                     router_aux_loss_coef=0.01)

@@ -149,6 +149,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         if self._is_vlm:
             raise ValueError("LongStrawGRPOTrainer supports text-only causal LMs; this model is vision-language.")
+        if self.aux_loss_enabled:
+            raise ValueError(
+                f"router_aux_loss_coef={self.router_aux_loss_coef}: the MoE load-balancing loss is computed over every "
+                "token of prompt + completion, which LongStraw never runs together under autograd. Set "
+                "router_aux_loss_coef=0.0 (routing itself is replayed exactly)."
+            )
         register_attention()
         for policy_or_ref in (self._causal_lm(self.model), self.ref_model):
             if policy_or_ref is not None:
@@ -243,8 +249,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             )
         if any(value is not None for value in multimodal_inputs.values()):
             raise ValueError("LongStrawGRPOTrainer supports text-only inputs; got multimodal tensors.")
-        if compute_aux_loss:
-            raise ValueError("MoE router aux loss is not supported by this LongStraw engine yet.")
         completion_ids = input_ids[:, -logits_to_keep:]
         groups = self._groups(
             input_ids[:, :-logits_to_keep], attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:]

@@ -12,6 +12,13 @@ import torch
 from ..attention import chunked_attention, merge_by_lse
 
 
+def empty_state(like: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A state buffer on `device`; in pinned host memory when it is the host and the model runs on CUDA, so that
+    staging each chunk to the GPU is an asynchronous copy."""
+    pin = torch.device(device).type == "cpu" and like.device.type == "cuda"
+    return torch.empty(shape, dtype=like.dtype, device=device, pin_memory=pin)
+
+
 class AttentionPages:
     """K/V pages of one attention layer. Written only during capture; read-only afterwards."""
 
@@ -83,8 +90,8 @@ class AttentionPages:
             self.length = self.key.shape[1]
             return
         if self.key is None:
-            self.key = key.new_empty(key.shape[0], self.capacity, key.shape[-1])
-            self.value = value.new_empty(value.shape[0], self.capacity, value.shape[-1])
+            self.key = empty_state(key, (key.shape[0], self.capacity, key.shape[-1]), self.device)
+            self.value = empty_state(value, (value.shape[0], self.capacity, value.shape[-1]), self.device)
         end = self.length + key.shape[1]
         self.key[:, self.length : end] = key
         self.value[:, self.length : end] = value

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import chunked_attention, merge_by_lse
+from .attention import empty_state
 
 
 def absorbed_weights(module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +106,7 @@ class LatentPages:
     @torch.no_grad()
     def _append(self, keys: torch.Tensor) -> None:
         if self.pages is None:
-            self.pages = keys.new_empty(1, self.capacity, keys.shape[-1], device=self.device)
+            self.pages = empty_state(keys, (1, self.capacity, keys.shape[-1]), self.device)
         end = self.length + keys.shape[0]
         self.pages[0, self.length : end] = keys.to(self.device)
         self.length = end
@@ -139,7 +140,7 @@ class IndexerKeys:
         """
         if access.mode == "capture":
             if self.keys is None:
-                self.keys = keys.new_empty(1, self.capacity, keys.shape[-1], device=self.device)
+                self.keys = empty_state(keys, (1, self.capacity, keys.shape[-1]), self.device)
             end = self.length + keys.shape[1]
             self.keys[:, self.length : end] = keys.to(self.device)
             self.length = end
