@@ -26,7 +26,7 @@ def full_forward(model, prompt, completions, lengths, offset=0):
         labels = ids.clone()
         labels[:, : prompt.numel()] = -100
         labels[:, prompt.numel() + int(length) :] = -100
-        positions = torch.arange(offset, offset + ids.shape[1])[None]
+        positions = torch.arange(offset, offset + ids.shape[1], device=ids.device)[None]
         out = model(input_ids=ids, position_ids=positions, labels=labels, fused_lm_head=True)
         rows.append((out.log_probs[0, -completions.shape[1] :], out.entropy[0, -completions.shape[1] :]))
     return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
