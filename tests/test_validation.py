@@ -96,3 +96,8 @@ def test_moe_aux_loss_is_refused(fresh_model, tokenizer, prompt_dataset, tmp_pat
     with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.01.*Set router_aux_loss_coef=0.0"):
         make_trainer(LongStrawGRPOTrainer, fresh_model("glm_moe_dsa"), tokenizer, prompt_dataset, tmp_path,
                      router_aux_loss_coef=0.01)
+
+
+def test_activation_checkpointing_is_off_by_default_and_still_honoured(tmp_path):
+    assert trainer_args(LongStrawGRPOConfig, tmp_path).activation_checkpointing is False
+    assert trainer_args(LongStrawGRPOConfig, tmp_path, gradient_checkpointing=True).activation_checkpointing is True

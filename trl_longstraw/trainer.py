@@ -210,8 +210,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._telemetry.record_state(state.nbytes())
         return state
 
-    def _capture_and_score(self, causal_lm, group: Group, completion_ids, capture_phase: str, batch_size: int):
-        """Capture a group's prompt, then score its members without grad; returns the state and the scores."""
+    def _capture_and_score(self, causal_lm, group: Group, completion_ids, capture_phase: str):
+        """Capture a group's prompt, then score its members without grad; returns the state and the scores.
+
+        Members are scored one at a time, like they are replayed: batching them would make the scoring peak grow
+        with the group size (measured: 0.16 to 0.85 GiB from G = 2 to 16 at P = 8K), breaking the memory contract.
+        """
         state = self._capture(causal_lm, group, capture_phase)
         with self._telemetry.phase("score"), torch.no_grad(), self.accelerator.autocast():
             logps, entropies = self.engine.score(
@@ -220,7 +224,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 group.prompt_ids[-1:],
                 completion_ids[group.rows.start : group.rows.stop],
                 group.completion_lengths,
-                batch_size,
+                batch_size=1,
             )
         for member, values in enumerate(logps):
             ensure_finite(values, f"phase 'score' ({capture_phase}), group {group.index}, member {member}")
@@ -257,9 +261,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         phase = "capture_ref" if self._is_reference_pass(model) else "capture"
         logps, entropies = [], []
         for group in groups:
-            state, group_logps, group_entropies = self._capture_and_score(
-                causal_lm, group, completion_ids, phase, batch_size or len(group.rows)
-            )
+            state, group_logps, group_entropies = self._capture_and_score(causal_lm, group, completion_ids, phase)
             del state  # one group's state alive at a time
             logps.append(group_logps)
             entropies.append(group_entropies)
@@ -285,9 +287,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         scores, state = [], None
         for group in groups:
             del state
-            state, *group_scores = self._capture_and_score(
-                causal_lm, group, completion_ids, "capture", len(group.rows)
-            )
+            state, *group_scores = self._capture_and_score(causal_lm, group, completion_ids, "capture")
             scores.append(group_scores)
         logps = torch.cat([group_logps for group_logps, _ in scores])
         entropies = torch.cat([group_entropies for _, group_entropies in scores])
