@@ -60,6 +60,31 @@ PRESETS: dict[str, dict[str, Any]] = {
         "attention_dropout": 0.0,
     },
     # The test suite's 2-layer hidden-64 Qwen3 (trl_longstraw.embedded.tiny_config): for smoke runs of the harness.
+    # GPU scale: the Qwen3.5/3.6-27B layer geometry at its real width (hidden 5120, 24/4 heads of 256, GatedDeltaNet
+    # 16/48 heads of 128, FFN 17408) with 4 layers (3 GatedDeltaNet + 1 full attention) and the embedded tokenizer's
+    # vocabulary, for benchmarks/gpu_check.sh on a lent H200 in bf16 (about 1.3B parameters).
+    "hybrid-qwen35-gpu": {
+        "model_type": "qwen3_5_text",
+        "vocab_size": EMBEDDED_VOCAB,
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": False,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": None,
+        "attention_dropout": 0.0,
+    },
     "dense-micro": {
         "model_type": "qwen3",
         "vocab_size": EMBEDDED_VOCAB,

@@ -76,7 +76,7 @@ def run_one(cfg: dict, args, logs: Path) -> dict:
     cmd = [sys.executable, str(HERE / "update_worker.py"), "--mode", cfg["mode"], "--prompt-length", str(cfg["P"]),
            "--group-size", str(cfg["G"]), "--completion-length", str(cfg["R"]),
            "--gradient-checkpointing", cfg.get("gc_request", "auto"), "--seed", str(args.seed),
-           "--beta", str(args.beta), "--loss-type", args.loss_type, "--device", args.device,
+           "--beta", str(args.beta), "--loss-type", args.loss_type, "--device", args.device, "--dtype", args.dtype,
            "--prefill-chunk-size", str(args.prefill_chunk_size),
            "--attention-chunk-size", str(args.attention_chunk_size)]
     cmd += ["--model-config", args.model_config] if args.model_config else ["--preset", args.model_preset]
@@ -667,6 +667,7 @@ def parse_args(argv=None):
     parser.add_argument("--prefill-chunk-size", type=int, default=2048)
     parser.add_argument("--attention-chunk-size", type=int, default=4096)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--reference-p", type=int, default=8192, help="P of the summary tables and G plots")
     parser.add_argument("--plot-group-size", type=int, default=8, help="G of the P plots and summary tables")
     parser.add_argument("--no-skip", action="store_true", help="run larger P even after an OOM/timeout at smaller P")

@@ -326,6 +326,8 @@ def parse_args(argv=None):
     parser.add_argument("--prefill-chunk-size", type=int, default=2048)
     parser.add_argument("--attention-chunk-size", type=int, default=4096)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="model weights (and so activations) dtype; bfloat16 for GPU-scale runs")
     parser.add_argument("--no-warmup", action="store_true", help="skip the tiny warm-up update before measuring")
     parser.add_argument("--profile", default=None,
                         help="cProfile the measured update: stats to PATH, top --profile-top lines to PATH.txt")
@@ -377,7 +379,7 @@ def run(args) -> dict:
             record.update(status="unsupported", reason=f"prefix-grouper not importable: {error}")
             return record
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype), attn_implementation="sdpa")
     num_params = sum(p.numel() for p in model.parameters())
     tokenizer = build_tokenizer()
     vocab = config.get_text_config().vocab_size

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from trl_longstraw import attention
 from trl_longstraw.attention import ChunkedAttention, chunked_attention, merge_by_lse
 
 
@@ -33,8 +34,10 @@ def test_chunked_attention_matches_softmax(window, chunk):
     assert torch.all(out[~visible] == 0)
 
 
+@pytest.mark.parametrize("row_block", [1024, 3])  # 3: the backward tiles the query rows too
 @pytest.mark.parametrize("window", [None, 4])
-def test_chunked_attention_gradients_float64(window):
+def test_chunked_attention_gradients_float64(window, row_block, monkeypatch):
+    monkeypatch.setattr(attention, "BACKWARD_ROW_BLOCK", row_block)
     torch.manual_seed(0)
     q = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 9, 4, dtype=torch.float64, requires_grad=True)

@@ -41,13 +41,19 @@ def _chunk_mask(
     return visible
 
 
-def _mask_scores(scores, q_positions, k_positions, start, end, sliding_window, selection) -> None:
-    mask = _chunk_mask(q_positions, k_positions[start:end], sliding_window)
+def _mask_scores(scores, q_positions, k_positions, start, end, sliding_window, selection, rows=slice(None)) -> None:
+    """Set to -inf the scores of keys `start:end` that query rows `rows` may not see."""
+    mask = _chunk_mask(q_positions[rows], k_positions[start:end], sliding_window)
     if selection is not None:
-        selected = selection(start, end)
+        selected = selection(start, end)[:, rows]
         mask = selected if mask is None else mask & selected
     if mask is not None:
         scores.masked_fill_(~mask, float("-inf"))
+
+
+# Query rows per step of the recomputing backward: with the key chunk, bounds its score-sized temporaries (scores,
+# their gradient) to [kv_heads, BACKWARD_ROW_BLOCK, chunk_size] however many rows a prompt chunk has.
+BACKWARD_ROW_BLOCK = 1024
 
 
 def _masked_chunk(q, kc, vc, q_positions, k_positions, start, end, scaling, sliding_window, selection, acc):
@@ -148,17 +154,26 @@ class ChunkedAttention(torch.autograd.Function):
             end = min(start + ctx.chunk_size, k.shape[1])
             kc = k[:, start:end].to(q.device, acc)
             vc = v[:, start:end].to(q.device, acc)
-            scores = torch.matmul(qf, kc.transpose(1, 2)).mul_(ctx.scaling)
-            _mask_scores(scores, q_positions, k_positions, start, end, ctx.sliding_window, ctx.selection)
-            probs = torch.exp(scores.sub_(safe_lse[..., None]))
-            if need_v:
-                grad_v[:, start:end] = torch.matmul(probs.transpose(1, 2), grad_out).to(v.device, v.dtype)
-            grad_scores = probs.mul_(torch.matmul(grad_out, vc.transpose(1, 2)).add_(row_term[..., None]))
-            grad_scores.mul_(ctx.scaling)
-            if need_q:
-                grad_q += torch.matmul(grad_scores, kc)
+            chunk_grad_k = torch.zeros_like(kc) if need_k else None
+            chunk_grad_v = torch.zeros_like(vc) if need_v else None
+            for row_start in range(0, q.shape[1], BACKWARD_ROW_BLOCK):
+                rows = slice(row_start, row_start + BACKWARD_ROW_BLOCK)
+                scores = torch.matmul(qf[:, rows], kc.transpose(1, 2)).mul_(ctx.scaling)
+                _mask_scores(scores, q_positions, k_positions, start, end, ctx.sliding_window, ctx.selection, rows)
+                probs = torch.exp(scores.sub_(safe_lse[:, rows, None]))
+                if need_v:
+                    chunk_grad_v += torch.matmul(probs.transpose(1, 2), grad_out[:, rows])
+                grad_scores = probs.mul_(
+                    torch.matmul(grad_out[:, rows], vc.transpose(1, 2)).add_(row_term[:, rows, None])
+                ).mul_(ctx.scaling)
+                if need_q:
+                    grad_q[:, rows] += torch.matmul(grad_scores, kc)
+                if need_k:
+                    chunk_grad_k += torch.matmul(grad_scores.transpose(1, 2), qf[:, rows])
             if need_k:
-                grad_k[:, start:end] = torch.matmul(grad_scores.transpose(1, 2), qf).to(k.device, k.dtype)
+                grad_k[:, start:end] = chunk_grad_k.to(k.device, k.dtype)
+            if need_v:
+                grad_v[:, start:end] = chunk_grad_v.to(v.device, v.dtype)
         grad_q = grad_q.to(q.dtype) if need_q else None
         return grad_q, grad_k, grad_v, None, None, None, None, None, None
 
