@@ -52,6 +52,22 @@ MODE_STYLE = {
 }
 
 
+def save_loglog(fig, ax, ylabel: str, title: str, path: Path) -> None:
+    """Finish a log-log plot over the prompt length and write it."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("prompt length P (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
@@ -367,16 +383,8 @@ def plots(rows, args) -> None:
             if r["mode"] == mode and r["G"] == Gp and r.get("status") != "ok":
                 ax.annotate(f"{mode}: {r['status']}", xy=(r["P"], 0.02), xycoords=("data", "axes fraction"),
                             color=color, fontsize=7, rotation=90, va="bottom")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("prompt length P (tokens)")
-    ax.set_ylabel("peak memory of the update (GiB)\nCPU: process peak RSS above pre-update baseline")
-    ax.set_title(f"Peak memory vs P (G={Gp}, R={args.completion_length})")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out / "memory_vs_P.png", dpi=120)
-    plt.close(fig)
+    save_loglog(fig, ax, "peak memory of the update (GiB)\nCPU: process peak RSS above pre-update baseline",
+                f"Peak memory vs P (G={Gp}, R={args.completion_length})", args.out / "memory_vs_P.png")
     # 2. time vs P
     fig, ax = plt.subplots(figsize=(7, 5))
     for mode in MODES:
@@ -384,16 +392,8 @@ def plots(rows, args) -> None:
         if pts:
             color, marker = MODE_STYLE[mode]
             ax.plot(*zip(*pts), marker=marker, color=color, label=mode)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("prompt length P (tokens)")
-    ax.set_ylabel("update + optimizer step wall time (s)")
-    ax.set_title(f"Time vs P (G={Gp}, R={args.completion_length})")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out / "time_vs_P.png", dpi=120)
-    plt.close(fig)
+    save_loglog(fig, ax, "update + optimizer step wall time (s)",
+                f"Time vs P (G={Gp}, R={args.completion_length})", args.out / "time_vs_P.png")
     # 3. time vs G at P = reference_p
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for mode in MODES:

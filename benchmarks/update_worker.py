@@ -250,16 +250,10 @@ def update_stock_serialized(trainer, inputs, device):
     phases = {"forward_loss": 0.0, "backward": 0.0}
     total = 0.0
     for index in range(G):
-        micro = rows_of(inputs, index)
-        t0 = time.perf_counter()
-        loss = trainer.compute_loss(trainer.model, micro)
-        _sync(device)
-        t1 = time.perf_counter()
-        loss.backward()
-        _sync(device)
-        phases["forward_loss"] += t1 - t0
-        phases["backward"] += time.perf_counter() - t1
-        total += float(loss.detach())
+        loss, micro_phases = update_stock_batched(trainer, rows_of(inputs, index), device)
+        for name, seconds in micro_phases.items():
+            phases[name] += seconds
+        total += float(loss)
         del loss
     return total, phases
 
