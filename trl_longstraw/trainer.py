@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import is_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoConfig, TrainerCallback
 from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
@@ -194,8 +195,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             return False
         if policy.active_adapter == "ref":
             return True
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
         tuner = next((m for m in policy.modules() if isinstance(m, BaseTunerLayer)), None)
         return tuner is not None and tuner.disable_adapters
 
