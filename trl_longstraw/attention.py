@@ -52,8 +52,10 @@ def _mask_scores(scores, q_positions, k_positions, start, end, sliding_window, s
 
 
 # Query rows per step of the recomputing backward: with the key chunk, bounds its score-sized temporaries (scores,
-# their gradient) to [kv_heads, BACKWARD_ROW_BLOCK, chunk_size] however many rows a prompt chunk has.
-BACKWARD_ROW_BLOCK = 1024
+# their gradient) to [kv_heads, BACKWARD_ROW_BLOCK, chunk_size] however many rows a prompt chunk has. Measured on the
+# exact-mode prompt backward (tiny dense model, P = 8K): 1024 -> 128 rows cut its peak 0.60 -> 0.36 GiB and its time
+# 19.7 -> 12.7 s (the tiles stay in cache).
+BACKWARD_ROW_BLOCK = 128
 
 
 def _masked_chunk(q, kc, vc, q_positions, k_positions, start, end, scaling, sliding_window, selection, acc):
