@@ -9,8 +9,9 @@ the `longstraw_state=` kwarg, which the registered `longstraw` attention reads.
 Token layout of one member, for a prompt `p[0..P)` and completion `c[0..R)`:
 
     capture:  p[0 .. P-1)                         no grad, in chunks; state kept
-    replay:   [p[P-1], c[0], ..., c[R-2]]        predicts c[0 .. R): the last prompt token is replayed, so the
+    replay:   [p[P-1], c[0], ..., c[R-1]]        predicts c[0 .. R): the last prompt token is replayed, so the
                                                   first completion token gets its log-prob and its gradient path
+                                                  (c[R-1] is fed but never scored: see `_member_forward`)
 """
 
 from __future__ import annotations
