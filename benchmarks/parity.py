@@ -2,8 +2,8 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/parity.py
 
-Uses the test suite's tiny random models (Qwen3; Qwen3.5-style hybrid; GLM-5-style MLA/DSA/MoE), fp32, 2 groups of 3, prompts of 11 and 7 tokens, ragged completions, old and
-reference log-probs perturbed so that clipping is active). Exact mode is compared with stock `compute_loss().backward()`;
+Uses the test suite's tiny random models (Qwen3; Qwen3.5-style hybrid; GLM-5-style MLA/DSA/MoE): fp32, 2 groups of
+3, prompts of 11 and 7 tokens, ragged completions, old and reference log-probs perturbed so that clipping is active. Exact mode is compared with stock `compute_loss().backward()`;
 detach mode with DESIGN.md's detached reference (HF cache under no_grad, deep-copied per member).
 """
 
