@@ -38,15 +38,19 @@ def reprojected(q_nope, q_rope, pages, kv_b, positions, page_positions):
     def chunk_attention(q, latent, rope):
         kv = kv_b(latent).view(-1, HEADS, NOPE + VDIM).transpose(0, 1)
         keys = torch.cat([kv[..., :NOPE], rope.expand(HEADS, -1, -1)], dim=-1)
-        return chunked_attention(q, keys, kv[..., NOPE:], positions, page_positions[: latent.shape[0]], 0.1, None,
-                                 CHUNK)
+        return chunked_attention(
+            q, keys, kv[..., NOPE:], positions, page_positions[: latent.shape[0]], 0.1, None, CHUNK
+        )
 
     out = lse = None
     for start in range(0, pages.shape[1], CHUNK):
         latent, rope = pages[0, start : start + CHUNK, :RANK], pages[:, start : start + CHUNK, RANK:]
         part_out, part_lse = checkpoint(chunk_attention, q, latent, rope, use_reentrant=False)
-        out, lse = (part_out, part_lse) if out is None else (merge_by_lse(out, lse, part_out, part_lse),
-                                                             torch.logaddexp(lse, part_lse))
+        out, lse = (
+            (part_out, part_lse)
+            if out is None
+            else (merge_by_lse(out, lse, part_out, part_lse), torch.logaddexp(lse, part_lse))
+        )
     return out
 
 
@@ -66,7 +70,10 @@ def check_same_attention() -> float:
     torch.manual_seed(0)
     kv_b = torch.nn.Linear(RANK, HEADS * (NOPE + VDIM), bias=False)
     pages, positions = torch.randn(1, 3000, RANK + ROPE, dtype=torch.float64), torch.arange(3000, 3008)
-    q_nope, q_rope = torch.randn(1, HEADS, 8, NOPE, dtype=torch.float64), torch.randn(1, HEADS, 8, ROPE, dtype=torch.float64)
+    q_nope, q_rope = (
+        torch.randn(1, HEADS, 8, NOPE, dtype=torch.float64),
+        torch.randn(1, HEADS, 8, ROPE, dtype=torch.float64),
+    )
     kv_b = kv_b.double()
     a = absorbed(q_nope, q_rope, pages, kv_b, positions, torch.arange(3000))
     b = reprojected(q_nope, q_rope, pages, kv_b, positions, torch.arange(3000))

@@ -3,8 +3,9 @@
     PYTHONPATH=. .venv/bin/python benchmarks/parity.py
 
 Uses the test suite's tiny random models (Qwen3; Qwen3.5-style hybrid; GLM-5-style MLA/DSA/MoE): fp32, 2 groups of
-3, prompts of 11 and 7 tokens, ragged completions, old and reference log-probs perturbed so that clipping is active. Exact mode is compared with stock `compute_loss().backward()`;
-detach mode with DESIGN.md's detached reference (HF cache under no_grad, deep-copied per member).
+3, prompts of 11 and 7 tokens, ragged completions, old and reference log-probs perturbed so that clipping is active.
+Exact mode is compared with stock `compute_loss().backward()`; detach mode with DESIGN.md's detached reference (HF
+cache under no_grad, deep-copied per member).
 """
 
 import tempfile
@@ -39,11 +40,21 @@ def main() -> None:
         for model_type, loss_type, beta in cases:
             out = root / f"{mode}-{model_type}-{loss_type}-{beta}"
             ref_loss, loss, ref_grads, grads = run_pair(
-                reference, fresh_model, tokenizer, dataset, out, model_type=model_type, loss_type=loss_type,
-                beta=beta, prompt_gradient=mode,
+                reference,
+                fresh_model,
+                tokenizer,
+                dataset,
+                out,
+                model_type=model_type,
+                loss_type=loss_type,
+                beta=beta,
+                prompt_gradient=mode,
             )
             err = max_relative_error(grads, ref_grads, floor_fraction=1e-3 if model_type == "qwen3_5" else 0.0)
-            print(f"{model_type:<12} {loss_type:<9} {beta:>5} {mode:<7} {abs(loss - ref_loss).item():>12.2e} {err:>17.2e}")
+            print(
+                f"{model_type:<12} {loss_type:<9} {beta:>5} {mode:<7} "
+                f"{abs(loss - ref_loss).item():>12.2e} {err:>17.2e}"
+            )
 
 
 if __name__ == "__main__":

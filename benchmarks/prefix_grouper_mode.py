@@ -40,11 +40,30 @@ def _sdpa_adapter(q, k, v, key_padding_mask, module=None, scaling=None, **_):
     return out.transpose(1, 2).contiguous()  # [b, Lq, H, d], as PrefixGrouper.group expects
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-               prefix_grouper=None, **kwargs):
+def _attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    sliding_window=None,
+    prefix_grouper=None,
+    **kwargs,
+):
     if prefix_grouper is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      sliding_window=sliding_window, **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=scaling,
+            dropout=dropout,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
     if sliding_window is not None:
         raise NotImplementedError("the Prefix Grouper SDPA adapter here does not implement sliding windows")
     return prefix_grouper.forward(_sdpa_adapter, query, key, value, module=module, scaling=scaling), None
@@ -67,8 +86,17 @@ class PrefixGrouperGRPOTrainer(GRPOTrainer):
         register()
         self.accelerator.unwrap_model(self.model).set_attn_implementation(ATTENTION_NAME)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         from prefix_grouper import PrefixGrouper
         from trl.kernels import ChunkedLogProbFunction
 
@@ -82,12 +110,18 @@ class PrefixGrouperGRPOTrainer(GRPOTrainer):
         for offset in range(group):  # every row of a group must carry the group's prompt
             if not torch.equal(prompt_ids[firsts + offset], prompt_ids[firsts]):
                 raise ValueError("Prefix Grouper needs the rows of a group to share one prompt")
-        if not bool((completion_mask.cumsum(1) == completion_mask.sum(1, keepdim=True)).logical_or(
-                completion_mask.bool()).all()):
+        if not bool(
+            (completion_mask.cumsum(1) == completion_mask.sum(1, keepdim=True))
+            .logical_or(completion_mask.bool())
+            .all()
+        ):
             raise ValueError("completions must be right-padded")
         g_prompt_ids, g_prompt_mask = prompt_ids[firsts], prompt_mask[firsts]
         grouper = PrefixGrouper.from_ungrouped_masks(
-            prefix_mask=g_prompt_mask, suffix_mask=completion_mask, group_sizes=group, padding_mode="right",
+            prefix_mask=g_prompt_mask,
+            suffix_mask=completion_mask,
+            group_sizes=group,
+            padding_mode="right",
             device=input_ids.device,
         )
         packed = grouper.concat_input(g_prompt_ids, g_prompt_mask, completion_ids, completion_mask)
@@ -114,9 +148,15 @@ class PrefixGrouperGRPOTrainer(GRPOTrainer):
             head = unwrapped.get_output_embeddings()
             text_config = unwrapped.config.get_text_config()
             logp, entropy, *_ = ChunkedLogProbFunction.apply(
-                suffix_hidden[real], head.weight, head.bias, labels[real], self.temperature, 32768,
+                suffix_hidden[real],
+                head.weight,
+                head.bias,
+                labels[real],
+                self.temperature,
+                32768,
                 getattr(text_config, "final_logit_softcapping", None),
-                getattr(text_config, "logit_scale", None) or 1.0, ("log_probs", "entropy"),
+                getattr(text_config, "logit_scale", None) or 1.0,
+                ("log_probs", "entropy"),
             )
         logps = logp.new_zeros(completion_ids.shape)
         logps[:, :width_c] = logps[:, :width_c].masked_scatter(real, logp)

@@ -288,15 +288,21 @@ def update_reference(trainer, inputs, device):
     t0 = time.perf_counter()
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model.base_model(input_ids=prompt[None, :-1], position_ids=positions[None, : P - 1], cache=cache,
-                         use_cache=True)
+        model.base_model(
+            input_ids=prompt[None, :-1], position_ids=positions[None, : P - 1], cache=cache, use_cache=True
+        )
     _sync(device)
     t1 = time.perf_counter()
     total = 0.0
     for member in range(G):
         replay = torch.cat([prompt[-1:], completions[member, :-1]])
-        out = model(input_ids=replay[None], position_ids=positions[None, P - 1 : P - 1 + R],
-                    cache=copy.deepcopy(cache), shift_labels=completions[member][None], fused_lm_head=True)
+        out = model(
+            input_ids=replay[None],
+            position_ids=positions[None, P - 1 : P - 1 + R],
+            cache=copy.deepcopy(cache),
+            shift_labels=completions[member][None],
+            fused_lm_head=True,
+        )
         logps = out.log_probs[0]
         (logps * weights[member]).sum().backward()
         total += float((logps.detach() * weights[member]).sum())
@@ -320,11 +326,18 @@ def parse_args(argv=None):
     parser.add_argument("--prefill-chunk-size", type=int, default=2048)
     parser.add_argument("--attention-chunk-size", type=int, default=4096)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="model weights (and so activations) dtype; bfloat16 for GPU-scale runs")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="model weights (and so activations) dtype; bfloat16 for GPU-scale runs",
+    )
     parser.add_argument("--no-warmup", action="store_true", help="skip the tiny warm-up update before measuring")
-    parser.add_argument("--profile", default=None,
-                        help="cProfile the measured update: stats to PATH, top --profile-top lines to PATH.txt")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        help="cProfile the measured update: stats to PATH, top --profile-top lines to PATH.txt",
+    )
     parser.add_argument("--profile-top", type=int, default=25)
     args = parser.parse_args(argv)
     args.gc = GC_DEFAULT[args.mode] if args.gradient_checkpointing == "auto" else args.gradient_checkpointing == "on"
@@ -333,16 +346,23 @@ def parse_args(argv=None):
 
 def run(args) -> dict:
     import torch
+    from presets import build_config, load_config_kwargs
     from transformers import AutoModelForCausalLM
 
-    from presets import build_config, load_config_kwargs
     from trl_longstraw.embedded import build_tokenizer
 
     device = torch.device(args.device)
     P, G, R = args.prompt_length, args.group_size, args.completion_length
     record = {
-        "mode": args.mode, "P": P, "G": G, "R": R, "gradient_checkpointing": args.gc, "beta": args.beta,
-        "loss_type": args.loss_type, "device": str(device), "torch_threads": torch.get_num_threads(),
+        "mode": args.mode,
+        "P": P,
+        "G": G,
+        "R": R,
+        "gradient_checkpointing": args.gc,
+        "beta": args.beta,
+        "loss_type": args.loss_type,
+        "device": str(device),
+        "torch_threads": torch.get_num_threads(),
     }
     import hashlib
     from pathlib import Path
@@ -361,8 +381,11 @@ def run(args) -> dict:
         record["max_position_embeddings_raised"] = list(raised)
     layer_types = set(getattr(config.get_text_config(), "layer_types", None) or ["full_attention"])
     if args.mode == "prefix-grouper" and not layer_types <= {"full_attention"}:
-        record.update(status="unsupported", reason=f"Prefix Grouper packs G completions in one row: only softmax "
-                      f"attention can keep them apart; this model has layer types {sorted(layer_types)}")
+        record.update(
+            status="unsupported",
+            reason=f"Prefix Grouper packs G completions in one row: only softmax "
+            f"attention can keep them apart; this model has layer types {sorted(layer_types)}",
+        )
         return record
     if args.mode == "prefix-grouper":
         try:
@@ -392,7 +415,9 @@ def run(args) -> dict:
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
         record.update(
-            num_params=num_params, weight_bytes=param_bytes, grad_bytes=trainable_bytes,
+            num_params=num_params,
+            weight_bytes=param_bytes,
+            grad_bytes=trainable_bytes,
             adam_state_bytes=2 * sum(p.numel() * 4 for p in trainable),
         )
         optimizer = torch.optim.AdamW(trainable, lr=1e-6)
@@ -488,10 +513,19 @@ def main(argv=None) -> None:
         record = run(args)
     except Exception as error:  # noqa: BLE001 - every failure becomes a recorded row
         text = f"{type(error).__name__}: {error}"
-        status = "oom(alloc)" if ("can't allocate memory" in text or isinstance(error, MemoryError)
-                                  or "out of memory" in text.lower()) else "error"
-        record = {"mode": args.mode, "P": args.prompt_length, "G": args.group_size, "R": args.completion_length,
-                  "status": status, "reason": text[:500]}
+        status = (
+            "oom(alloc)"
+            if ("can't allocate memory" in text or isinstance(error, MemoryError) or "out of memory" in text.lower())
+            else "error"
+        )
+        record = {
+            "mode": args.mode,
+            "P": args.prompt_length,
+            "G": args.group_size,
+            "R": args.completion_length,
+            "status": status,
+            "reason": text[:500],
+        }
         traceback.print_exc(file=sys.stderr)
     sys.stdout.write(json.dumps(record) + "\n")
     sys.stdout.flush()

@@ -55,8 +55,10 @@ def build_needle_dataset(num_prompts: int, prompt_chars: int, seed: int = 0) -> 
     """
     minimum = len(NEEDLE_TEMPLATE.format(answer="0" * ANSWER_DIGITS)) + len(QUESTION) + MAX_WORD + 1
     if prompt_chars < minimum:
-        raise ValueError(f"prompt_chars={prompt_chars} is too short for a needle, a question and a haystack word: "
-                         f"use at least {minimum}.")
+        raise ValueError(
+            f"prompt_chars={prompt_chars} is too short for a needle, a question and a haystack word: "
+            f"use at least {minimum}."
+        )
     if num_prompts < 1:
         raise ValueError(f"num_prompts={num_prompts} must be positive.")
     rng = random.Random(seed)

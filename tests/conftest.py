@@ -48,8 +48,9 @@ def trainer_args(config_class, tmp_path, **overrides):
     return config_class(**fields)
 
 
-def make_trainer(trainer_class, model, tokenizer, dataset, tmp_path, peft_config=None, reward_funcs=length_reward,
-                 **overrides):
+def make_trainer(
+    trainer_class, model, tokenizer, dataset, tmp_path, peft_config=None, reward_funcs=length_reward, **overrides
+):
     """A trainer on `model`; LongStraw-only fields are dropped for a stock trainer."""
     config_class = LongStrawGRPOConfig if issubclass(trainer_class, LongStrawGRPOTrainer) else GRPOConfig
     if config_class is GRPOConfig:
@@ -67,8 +68,7 @@ def make_trainer(trainer_class, model, tokenizer, dataset, tmp_path, peft_config
     return trainer
 
 
-def synthetic_inputs(vocab_size, prompt_lengths=(11, 7), completion_lengths=((6, 3, 5), (2, 6, 1)), seed=0,
-                     pad_id=0):
+def synthetic_inputs(vocab_size, prompt_lengths=(11, 7), completion_lengths=((6, 3, 5), (2, 6, 1)), seed=0, pad_id=0):
     """Two groups of GROUP_SIZE rows: prompts of different lengths (left-padded), ragged completions."""
     generator = torch.Generator().manual_seed(seed)
     width_p, width_c = max(prompt_lengths), max(max(c) for c in completion_lengths)
@@ -121,7 +121,9 @@ def max_relative_error(got, want, floor_fraction=0.0):
     with heavy cancellation, which two exact orderings of the same math disagree on far above rounding)."""
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
     floor = floor_fraction * torch.sqrt(sum(w.norm() ** 2 for w in want.values()))
-    return max(((got[k] - want[k]).norm() / torch.maximum(want[k].norm(), floor).clamp(min=1e-30)).item() for k in want)
+    return max(
+        ((got[k] - want[k]).norm() / torch.maximum(want[k].norm(), floor).clamp(min=1e-30)).item() for k in want
+    )
 
 
 @pytest.fixture

@@ -8,10 +8,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig
 
 from trl_longstraw.accounting import prompt_state_account, stock_activation_bytes
 from trl_longstraw.embedded import build_model
+from trl_longstraw.engine import LongStrawEngine
 
 from .test_engine import MISTRAL_SLIDING, case, prepared
-
-from trl_longstraw.engine import LongStrawEngine
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5", "mistral-sliding"])

@@ -20,9 +20,23 @@ def free_port() -> int:
 @pytest.mark.parametrize("prompt_gradient", ["detach", "exact"])
 def test_two_ranks_end_the_step_with_identical_weights(prompt_gradient):
     launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    command = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-               os.path.join(os.path.dirname(__file__), "distributed_worker.py"), prompt_gradient]
+    command = [
+        launcher,
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        os.path.join(os.path.dirname(__file__), "distributed_worker.py"),
+        prompt_gradient,
+    ]
     env = dict(os.environ, PYTHONPATH=os.getcwd(), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -15,8 +15,13 @@ from trl_longstraw.trainer import shuffle_groups, split_groups
 from .conftest import GROUP_SIZE, make_trainer, synthetic_inputs
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
-PHASE_KEYS = ["longstraw/capture/time_s", "longstraw/score/time_s", "longstraw/replay/time_s",
-              "longstraw/optimizer/time_s", "longstraw/prompt_state_gib"]
+PHASE_KEYS = [
+    "longstraw/capture/time_s",
+    "longstraw/score/time_s",
+    "longstraw/replay/time_s",
+    "longstraw/optimizer/time_s",
+    "longstraw/prompt_state_gib",
+]
 
 
 def distinct_reward(completions, **kwargs):
@@ -33,12 +38,24 @@ def train(trainer):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("prompt_gradient", ["detach", "exact"])
-def test_lora_training_updates_the_adapter_and_logs_phases(prompt_gradient, fresh_model, tokenizer, prompt_dataset,
-                                                           tmp_path):
+def test_lora_training_updates_the_adapter_and_logs_phases(
+    prompt_gradient, fresh_model, tokenizer, prompt_dataset, tmp_path
+):
     trainer = make_trainer(
-        LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path, peft_config=LoraConfig(**LORA),
-        reward_funcs=distinct_reward, max_steps=2, gradient_accumulation_steps=2, per_device_train_batch_size=3,
-        beta=0.04, learning_rate=1e-2, prompt_gradient=prompt_gradient, prefill_chunk_size=16,
+        LongStrawGRPOTrainer,
+        fresh_model(),
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        peft_config=LoraConfig(**LORA),
+        reward_funcs=distinct_reward,
+        max_steps=2,
+        gradient_accumulation_steps=2,
+        per_device_train_batch_size=3,
+        beta=0.04,
+        learning_rate=1e-2,
+        prompt_gradient=prompt_gradient,
+        prefill_chunk_size=16,
     )
     changed, logs = train(trainer)
     assert changed and all("lora_" in name for name in changed)
@@ -55,8 +72,17 @@ def test_lora_training_updates_the_adapter_and_logs_phases(prompt_gradient, fres
 def test_lora_training_on_a_gated_deltanet_hybrid(prompt_gradient, fresh_model, tokenizer, prompt_dataset, tmp_path):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "in_proj_qkv", "out_proj"])
     trainer = make_trainer(
-        LongStrawGRPOTrainer, fresh_model("qwen3_5"), tokenizer, prompt_dataset, tmp_path, peft_config=lora,
-        reward_funcs=distinct_reward, max_steps=1, beta=0.04, learning_rate=1e-2, prompt_gradient=prompt_gradient,
+        LongStrawGRPOTrainer,
+        fresh_model("qwen3_5"),
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        peft_config=lora,
+        reward_funcs=distinct_reward,
+        max_steps=1,
+        beta=0.04,
+        learning_rate=1e-2,
+        prompt_gradient=prompt_gradient,
         prefill_chunk_size=16,
     )
     changed, logs = train(trainer)
@@ -68,20 +94,39 @@ def test_lora_training_on_a_gated_deltanet_hybrid(prompt_gradient, fresh_model, 
 @pytest.mark.slow
 def test_qlora_nf4_training(tokenizer, prompt_dataset, tmp_path):
     build_model("qwen3").save_pretrained(tmp_path / "base")
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                      bnb_4bit_compute_dtype=torch.float32)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quantization)
-    trainer = make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path / "run",
-                           peft_config=LoraConfig(**LORA), reward_funcs=distinct_reward, max_steps=1,
-                           learning_rate=1e-2, prompt_gradient="exact")
+    trainer = make_trainer(
+        LongStrawGRPOTrainer,
+        model,
+        tokenizer,
+        prompt_dataset,
+        tmp_path / "run",
+        peft_config=LoraConfig(**LORA),
+        reward_funcs=distinct_reward,
+        max_steps=1,
+        learning_rate=1e-2,
+        prompt_gradient="exact",
+    )
     changed, logs = train(trainer)
     assert changed and len(logs) == 1 and torch.isfinite(torch.tensor(logs[0]["loss"]))
 
 
 @pytest.mark.slow
 def test_multiple_iterations_recapture_under_the_new_weights(fresh_model, tokenizer, prompt_dataset, tmp_path):
-    trainer = make_trainer(LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path,
-                           reward_funcs=distinct_reward, max_steps=3, num_iterations=2, learning_rate=1e-3)
+    trainer = make_trainer(
+        LongStrawGRPOTrainer,
+        fresh_model(),
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        reward_funcs=distinct_reward,
+        max_steps=3,
+        num_iterations=2,
+        learning_rate=1e-3,
+    )
     changed, logs = train(trainer)
     assert changed and len(logs) == 3
     assert all(entry["longstraw/capture/time_s"] > 0 for entry in logs)
@@ -90,24 +135,33 @@ def test_multiple_iterations_recapture_under_the_new_weights(fresh_model, tokeni
 def test_group_shuffle_keeps_groups_whole_in_every_micro_batch(tokenizer):
     from trl.trainer.utils import split_tensor_dict
 
-    batch = synthetic_inputs(len(tokenizer), prompt_lengths=(11, 7, 9, 5),
-                             completion_lengths=((6, 3, 5), (2, 6, 1), (4, 4, 4), (1, 2, 3)))
+    batch = synthetic_inputs(
+        len(tokenizer), prompt_lengths=(11, 7, 9, 5), completion_lengths=((6, 3, 5), (2, 6, 1), (4, 4, 4), (1, 2, 3))
+    )
     torch.manual_seed(0)
     for micro_batch in split_tensor_dict(shuffle_groups(batch, GROUP_SIZE), 2):
-        groups = split_groups(micro_batch["prompt_ids"], micro_batch["prompt_mask"],
-                              micro_batch["completion_mask"], GROUP_SIZE, None)
+        groups = split_groups(
+            micro_batch["prompt_ids"], micro_batch["prompt_mask"], micro_batch["completion_mask"], GROUP_SIZE, None
+        )
         assert len(groups) == 2
 
 
 @pytest.mark.slow
-def test_wandb_offline_run_records_the_phase_metrics(fresh_model, tokenizer, prompt_dataset, tmp_path,
-                                                     monkeypatch):
+def test_wandb_offline_run_records_the_phase_metrics(fresh_model, tokenizer, prompt_dataset, tmp_path, monkeypatch):
     import wandb
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    trainer = make_trainer(LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path / "run",
-                           reward_funcs=distinct_reward, max_steps=1, report_to="wandb")
+    trainer = make_trainer(
+        LongStrawGRPOTrainer,
+        fresh_model(),
+        tokenizer,
+        prompt_dataset,
+        tmp_path / "run",
+        reward_funcs=distinct_reward,
+        max_steps=1,
+        report_to="wandb",
+    )
     trainer.train()
     run_dir = wandb.run.dir
     wandb.finish()

@@ -40,15 +40,24 @@ def case(seed=0, prompt_length=29, completion_width=7, vocab=100):
     return prompt, completions, lengths
 
 
-MISTRAL_SLIDING = dict(vocab_size=102, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=6)
+MISTRAL_SLIDING = dict(
+    vocab_size=102,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=16,
+    sliding_window=6,
+)
 
 
 # glm_moe_dsa: index_topk 64 >= every sequence here (dense selection); glm_moe_dsa-sparse: top-12 of up to 36 keys.
 # DSA's top-k is discontinuous at ties, which ReLU makes common (a key every index head scores negative gets exactly
 # 0): the sparse case uses 32 index heads so that no key scores exactly 0 and no tie sits at the selection boundary.
-@pytest.mark.parametrize("model_type", ["qwen3", "llama", "mistral-sliding", "qwen3_5", "glm_moe_dsa",
-                                        "glm_moe_dsa-sparse"])
+@pytest.mark.parametrize(
+    "model_type", ["qwen3", "llama", "mistral-sliding", "qwen3_5", "glm_moe_dsa", "glm_moe_dsa-sparse"]
+)
 @pytest.mark.parametrize("prefill_chunk, attention_chunk", [(1000, 1000), (4, 3), (7, 1)])
 def test_score_matches_full_forward(model_type, prefill_chunk, attention_chunk):
     if model_type == "mistral-sliding":
@@ -78,9 +87,16 @@ def test_sliding_window_state_keeps_only_the_window():
     assert all(pages.key.shape[1] == MISTRAL_SLIDING["sliding_window"] - 1 for pages in state.layers.values())
 
 
-@pytest.mark.parametrize("model_type, prompt_gradient", [("qwen3", "detach"), ("qwen3_5", "detach"),
-                                                          ("qwen3_5", "exact"), ("glm_moe_dsa", "detach"),
-                                                          ("glm_moe_dsa", "exact")])
+@pytest.mark.parametrize(
+    "model_type, prompt_gradient",
+    [
+        ("qwen3", "detach"),
+        ("qwen3_5", "detach"),
+        ("qwen3_5", "exact"),
+        ("glm_moe_dsa", "detach"),
+        ("glm_moe_dsa", "exact"),
+    ],
+)
 def test_replay_matches_score_and_leaves_the_state_bitwise_unchanged(model_type, prompt_gradient):
     model = prepared(build_model(model_type))
     prompt, completions, lengths = case()

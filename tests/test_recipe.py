@@ -12,13 +12,37 @@ RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.slow
 def test_demo_recipe_runs_and_prints_the_phase_table(tmp_path):
     launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    command = [launcher, "launch", "--num_processes", "1", "--num_machines", "1", "--cpu", "--mixed_precision", "no",
-               "--dynamo_backend", "no", os.path.join(RECIPES, "grpo_longstraw.py"),
-               "--config", os.path.join(RECIPES, os.pardir, "configs", "demo_embedded.yaml"),
-               "--prompt_chars", "600", "--max_steps", "1", "--output_dir", str(tmp_path), "--report_to", "none",
-               "--beta", "0.04", "--prompt_gradient", "exact"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, WANDB_MODE="disabled"))
+    command = [
+        launcher,
+        "launch",
+        "--num_processes",
+        "1",
+        "--num_machines",
+        "1",
+        "--cpu",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        os.path.join(RECIPES, "grpo_longstraw.py"),
+        "--config",
+        os.path.join(RECIPES, os.pardir, "configs", "demo_embedded.yaml"),
+        "--prompt_chars",
+        "600",
+        "--max_steps",
+        "1",
+        "--output_dir",
+        str(tmp_path),
+        "--report_to",
+        "none",
+        "--beta",
+        "0.04",
+        "--prompt_gradient",
+        "exact",
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, env=dict(os.environ, WANDB_MODE="disabled")
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "LongStraw phases over 1 steps" in result.stdout
     for phase in ("capture", "capture_ref", "score", "optimizer"):

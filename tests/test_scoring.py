@@ -36,8 +36,15 @@ def test_old_and_reference_logps_equal_stock(use_peft, fresh_model, tokenizer, p
     for trainer_class in (GRPOTrainer, LongStrawGRPOTrainer):
         peft_config = settings.get("peft_config")
         args = {k: v for k, v in settings.items() if k != "peft_config"}
-        trainer = make_trainer(trainer_class, copy.deepcopy(model), tokenizer, prompt_dataset,
-                               tmp_path / trainer_class.__name__, peft_config=peft_config, **args)
+        trainer = make_trainer(
+            trainer_class,
+            copy.deepcopy(model),
+            tokenizer,
+            prompt_dataset,
+            tmp_path / trainer_class.__name__,
+            peft_config=peft_config,
+            **args,
+        )
         if use_peft:
             perturb_lora(trainer.model)
         trainers.append(trainer)

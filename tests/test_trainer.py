@@ -47,24 +47,43 @@ class DetachedReferenceTrainer(GRPOTrainer):
 
             cache = DynamicCache(config=model.config)
             with torch.no_grad():
-                model.model(input_ids=prompt[None, :-1], position_ids=positions[None, : prompt.numel() - 1],
-                            cache=cache, use_cache=True)
+                model.model(
+                    input_ids=prompt[None, :-1],
+                    position_ids=positions[None, : prompt.numel() - 1],
+                    cache=cache,
+                    use_cache=True,
+                )
             replay = torch.cat([prompt[-1:], completion[:-1]])
             labels = completion.masked_fill(torch.arange(logits_to_keep) >= length, -100)
-            out = model(input_ids=replay[None], position_ids=positions[None, prompt.numel() - 1 : -1],
-                        cache=replayable_copy(cache), shift_labels=labels[None], fused_lm_head=True)
+            out = model(
+                input_ids=replay[None],
+                position_ids=positions[None, prompt.numel() - 1 : -1],
+                cache=replayable_copy(cache),
+                shift_labels=labels[None],
+                fused_lm_head=True,
+            )
             rows_logps.append(out.log_probs[0])
             rows_entropies.append(out.entropy[0])
         return torch.stack(rows_logps), torch.stack(rows_entropies), None
 
 
-def run_pair(reference_class, fresh_model, tokenizer, prompt_dataset, tmp_path, dtype=torch.float32,
-             model_type="qwen3", **args):
+def run_pair(
+    reference_class, fresh_model, tokenizer, prompt_dataset, tmp_path, dtype=torch.float32, model_type="qwen3", **args
+):
     model = fresh_model(model_type=model_type, dtype=dtype)
-    reference = make_trainer(reference_class, copy.deepcopy(model), tokenizer, prompt_dataset, tmp_path / "ref",
-                             **args)
-    ours = make_trainer(LongStrawGRPOTrainer, copy.deepcopy(model), tokenizer, prompt_dataset, tmp_path / "ours",
-                        prefill_chunk_size=4, attention_chunk_size=3, **args)
+    reference = make_trainer(
+        reference_class, copy.deepcopy(model), tokenizer, prompt_dataset, tmp_path / "ref", **args
+    )
+    ours = make_trainer(
+        LongStrawGRPOTrainer,
+        copy.deepcopy(model),
+        tokenizer,
+        prompt_dataset,
+        tmp_path / "ours",
+        prefill_chunk_size=4,
+        attention_chunk_size=3,
+        **args,
+    )
     inputs = add_old_and_ref_logps(reference, synthetic_inputs(len(tokenizer)))
     if dtype == torch.float64:
         inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
@@ -81,11 +100,18 @@ def run_pair(reference_class, fresh_model, tokenizer, prompt_dataset, tmp_path, 
     [("exact", GRPOTrainer), ("detach", DetachedReferenceTrainer)],
     ids=["exact-vs-stock", "detach-vs-detached-reference"],
 )
-def test_loss_and_gradients_match_the_reference(prompt_gradient, reference_class, loss_type, beta, fresh_model,
-                                                tokenizer, prompt_dataset, tmp_path):
+def test_loss_and_gradients_match_the_reference(
+    prompt_gradient, reference_class, loss_type, beta, fresh_model, tokenizer, prompt_dataset, tmp_path
+):
     ref_loss, loss, ref_grads, grads = run_pair(
-        reference_class, fresh_model, tokenizer, prompt_dataset, tmp_path,
-        loss_type=loss_type, beta=beta, prompt_gradient=prompt_gradient,
+        reference_class,
+        fresh_model,
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        loss_type=loss_type,
+        beta=beta,
+        prompt_gradient=prompt_gradient,
     )
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
     assert max_relative_error(grads, ref_grads) <= 1e-4
@@ -94,15 +120,30 @@ def test_loss_and_gradients_match_the_reference(prompt_gradient, reference_class
 def test_exact_mode_float64(fresh_model, tokenizer, prompt_dataset, tmp_path):
     # TRL's fused LM head accumulates its statistics in fp32 on both sides, which bounds float64 agreement at ~1e-7.
     ref_loss, loss, ref_grads, grads = run_pair(
-        GRPOTrainer, fresh_model, tokenizer, prompt_dataset, tmp_path, dtype=torch.float64,
-        loss_type="grpo", beta=0.04, prompt_gradient="exact",
+        GRPOTrainer,
+        fresh_model,
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        dtype=torch.float64,
+        loss_type="grpo",
+        beta=0.04,
+        prompt_gradient="exact",
     )
     assert torch.allclose(loss, ref_loss, rtol=1e-7)
     assert max_relative_error(grads, ref_grads) <= 1e-6
 
 
-@pytest.mark.parametrize("setting", [dict(importance_sampling_level="sequence"), dict(top_entropy_quantile=0.5),
-                                     dict(entropy_coef=0.05), dict(off_policy_mask_threshold=0.1), dict(delta=1.1)])
+@pytest.mark.parametrize(
+    "setting",
+    [
+        dict(importance_sampling_level="sequence"),
+        dict(top_entropy_quantile=0.5),
+        dict(entropy_coef=0.05),
+        dict(off_policy_mask_threshold=0.1),
+        dict(delta=1.1),
+    ],
+)
 def test_exact_mode_matches_stock_with_loss_options(setting, fresh_model, tokenizer, prompt_dataset, tmp_path):
     ref_loss, loss, ref_grads, grads = run_pair(
         GRPOTrainer, fresh_model, tokenizer, prompt_dataset, tmp_path, beta=0.04, prompt_gradient="exact", **setting
@@ -117,11 +158,19 @@ def test_exact_mode_matches_stock_with_loss_options(setting, fresh_model, tokeni
     [("exact", GRPOTrainer), ("detach", DetachedReferenceTrainer)],
     ids=["exact-vs-stock", "detach-vs-detached-reference"],
 )
-def test_gated_deltanet_hybrid_matches_the_reference(prompt_gradient, reference_class, loss_type, fresh_model,
-                                                     tokenizer, prompt_dataset, tmp_path):
+def test_gated_deltanet_hybrid_matches_the_reference(
+    prompt_gradient, reference_class, loss_type, fresh_model, tokenizer, prompt_dataset, tmp_path
+):
     ref_loss, loss, ref_grads, grads = run_pair(
-        reference_class, fresh_model, tokenizer, prompt_dataset, tmp_path, model_type="qwen3_5",
-        loss_type=loss_type, beta=0.04, prompt_gradient=prompt_gradient,
+        reference_class,
+        fresh_model,
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        model_type="qwen3_5",
+        loss_type=loss_type,
+        beta=0.04,
+        prompt_gradient=prompt_gradient,
     )
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
     assert max_relative_error(grads, ref_grads, floor_fraction=1e-3) <= 1e-4
@@ -133,13 +182,21 @@ def test_gated_deltanet_hybrid_matches_the_reference(prompt_gradient, reference_
     [("exact", GRPOTrainer), ("detach", DetachedReferenceTrainer)],
     ids=["exact-vs-stock", "detach-vs-detached-reference"],
 )
-def test_mla_dsa_moe_matches_the_reference(prompt_gradient, reference_class, loss_type, fresh_model, tokenizer,
-                                           prompt_dataset, tmp_path):
+def test_mla_dsa_moe_matches_the_reference(
+    prompt_gradient, reference_class, loss_type, fresh_model, tokenizer, prompt_dataset, tmp_path
+):
     # Tiny GLM-5 (MLA + DSA with IndexShare + MoE); index_topk covers these short sequences (see test_engine for a
     # sparse selection).
     ref_loss, loss, ref_grads, grads = run_pair(
-        reference_class, fresh_model, tokenizer, prompt_dataset, tmp_path, model_type="glm_moe_dsa",
-        loss_type=loss_type, beta=0.04, prompt_gradient=prompt_gradient,
+        reference_class,
+        fresh_model,
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        model_type="glm_moe_dsa",
+        loss_type=loss_type,
+        beta=0.04,
+        prompt_gradient=prompt_gradient,
     )
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
     assert max_relative_error(grads, ref_grads) <= 1e-4

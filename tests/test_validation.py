@@ -31,23 +31,34 @@ def test_stock_config_is_refused(tmp_path, tokenizer, prompt_dataset, fresh_mode
     from trl import GRPOConfig
 
     with pytest.raises(TypeError, match="needs a LongStrawGRPOConfig"):
-        LongStrawGRPOTrainer(model=fresh_model(), reward_funcs=len, args=trainer_args(GRPOConfig, tmp_path),
-                             train_dataset=prompt_dataset, processing_class=tokenizer)
+        LongStrawGRPOTrainer(
+            model=fresh_model(),
+            reward_funcs=len,
+            args=trainer_args(GRPOConfig, tmp_path),
+            train_dataset=prompt_dataset,
+            processing_class=tokenizer,
+        )
 
 
 def test_fp16_is_refused(tmp_path, tokenizer, prompt_dataset, fresh_model):
     args = trainer_args(LongStrawGRPOConfig, tmp_path)
     args.fp16 = True
     with pytest.raises(ValueError, match="fp16=True"):
-        LongStrawGRPOTrainer(model=fresh_model(), reward_funcs=len, args=args, train_dataset=prompt_dataset,
-                             processing_class=tokenizer)
+        LongStrawGRPOTrainer(
+            model=fresh_model(), reward_funcs=len, args=args, train_dataset=prompt_dataset, processing_class=tokenizer
+        )
 
 
 def test_unsupported_architecture_names_the_supported_ones(tmp_path, tokenizer, prompt_dataset):
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=102))
     with pytest.raises(UnsupportedModelError, match="model_type='gpt2'.*llama, mistral, qwen2, qwen3"):
-        LongStrawGRPOTrainer(model=model, reward_funcs=len, args=trainer_args(LongStrawGRPOConfig, tmp_path),
-                             train_dataset=prompt_dataset, processing_class=tokenizer)
+        LongStrawGRPOTrainer(
+            model=model,
+            reward_funcs=len,
+            args=trainer_args(LongStrawGRPOConfig, tmp_path),
+            train_dataset=prompt_dataset,
+            processing_class=tokenizer,
+        )
 
 
 def test_unsupported_layer_type_is_named():
@@ -59,8 +70,9 @@ def test_unsupported_layer_type_is_named():
 
 @pytest.fixture
 def trainer(fresh_model, tokenizer, prompt_dataset, tmp_path):
-    return make_trainer(LongStrawGRPOTrainer, fresh_model(max_position_embeddings=24), tokenizer, prompt_dataset,
-                        tmp_path)
+    return make_trainer(
+        LongStrawGRPOTrainer, fresh_model(max_position_embeddings=24), tokenizer, prompt_dataset, tmp_path
+    )
 
 
 def test_prompt_longer_than_the_model_positions(trainer, tokenizer):
@@ -94,8 +106,14 @@ def test_non_finite_member_is_named(trainer, tokenizer):
 
 def test_moe_aux_loss_is_refused(fresh_model, tokenizer, prompt_dataset, tmp_path):
     with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.01.*Set router_aux_loss_coef=0.0"):
-        make_trainer(LongStrawGRPOTrainer, fresh_model("glm_moe_dsa"), tokenizer, prompt_dataset, tmp_path,
-                     router_aux_loss_coef=0.01)
+        make_trainer(
+            LongStrawGRPOTrainer,
+            fresh_model("glm_moe_dsa"),
+            tokenizer,
+            prompt_dataset,
+            tmp_path,
+            router_aux_loss_coef=0.01,
+        )
 
 
 def test_activation_checkpointing_is_off_by_default_and_still_honoured(tmp_path):

@@ -6,7 +6,7 @@ The state LongStraw keeps per layer (DESIGN.md's table):
 | --- | --- | --- |
 | full attention (GQA/MQA) | K and V, `2 * kv_heads * head_dim` per token | yes |
 | sliding-window attention | the last `window - 1` K/V | no |
-| GatedDeltaNet (linear attention) | recurrent state `[v_heads, k_dim, v_dim]` (fp32) + conv state `[conv_dim, kernel - 1]` | no |
+| GatedDeltaNet | recurrent `[v_heads, k_dim, v_dim]` (fp32) + conv `[conv_dim, kernel - 1]` | no |
 | MLA | latent `kv_lora_rank` + rope key `qk_rope_head_dim` per token | yes |
 | DSA indexer (index-computing layers) | indexer key `index_head_dim` per token | yes |
 
@@ -97,7 +97,7 @@ def prompt_state_account(config: PretrainedConfig, dtype_bytes: int = 2, exact: 
 def stock_activation_bytes(
     config: PretrainedConfig, prompt_tokens: int, completion_tokens: int, group_size: int, dtype_bytes: int = 2
 ) -> int:
-    """Lower bound of what stock GRPO keeps for backward: checkpointed layer inputs for every member's full sequence."""
+    """Lower bound of what stock GRPO keeps for backward: checkpointed layer inputs of every member's sequence."""
     config = config.get_text_config()
     tokens = group_size * (prompt_tokens + completion_tokens)
     return config.num_hidden_layers * tokens * config.hidden_size * dtype_bytes

@@ -131,8 +131,9 @@ class ChunkedAttention(torch.autograd.Function):
             vc = v[:, start:end].to(q.device, non_blocking=True)
             part = _fused_chunk(q, kc, vc, q_positions, k_positions, start, end, scaling, sliding_window, selection)
             if part is None:
-                part = _masked_chunk(q, kc, vc, q_positions, k_positions, start, end, scaling, sliding_window,
-                                     selection, acc)
+                part = _masked_chunk(
+                    q, kc, vc, q_positions, k_positions, start, end, scaling, sliding_window, selection, acc
+                )
             out, lse = part if out is None else _merge_running(out, lse, *part)
         ctx.save_for_backward(q, k, v, q_positions, k_positions, out, lse)
         ctx.scaling, ctx.sliding_window, ctx.chunk_size, ctx.selection = scaling, sliding_window, chunk_size, selection
@@ -217,9 +218,7 @@ def chunked_attention(
     return out, lse
 
 
-def merge_by_lse(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> torch.Tensor:
+def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
     """Exact softmax attention over the union of two disjoint key sets, from each set's output and log-sum-exp."""
     lse = torch.logaddexp(lse_a, lse_b)
     weight_a = torch.exp(lse_a - lse)[..., None]
@@ -248,7 +247,14 @@ def longstraw_attention_forward(
         if indices is not None:  # DSA top-k: transformers turns it into a mask only for its own eager/sdpa names
             attention_mask = _restrict_to_selection(attention_mask, indices, key.shape[2])
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, sliding_window=sliding_window,
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=scaling,
+            dropout=dropout,
+            sliding_window=sliding_window,
             **kwargs,
         )
     if scaling is None:

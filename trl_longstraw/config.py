@@ -74,7 +74,8 @@ class LongStrawGRPOConfig(GRPOConfig):
         metadata={
             "help": "Activation checkpointing of the replayed completion (TRL turns it on by default). Off by default "
             "here: the prompt never goes through autograd, and for short completions recomputing the replay's layers "
-            "recompute each layer for no memory gain (measured at R = 128: same peak). Turn it on for long completions. "
+            "recompute each layer for no memory gain (measured at R = 128: same peak). Turn it on for long "
+            "completions. "
             "Unset (and `gradient_checkpointing` unset) means False."
         },
     )

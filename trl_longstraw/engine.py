@@ -108,7 +108,10 @@ class LongStrawEngine:
         positions = torch.arange(first_position, first_position + token_ids.numel(), device=device)
         access = StateAccess(state, mode, positions, self.attention_chunk_size, start, chunk_index=chunk_index)
         model.base_model(
-            input_ids=token_ids.to(device)[None], position_ids=positions[None], cache=access, use_cache=False,
+            input_ids=token_ids.to(device)[None],
+            position_ids=positions[None],
+            cache=access,
+            use_cache=False,
             **{STATE_KWARG: access},
         )
         return access
@@ -126,14 +129,20 @@ class LongStrawEngine:
         completions = completions[:, :width].to(device)
         real = torch.arange(width, device=device)[None, :] < lengths.to(device)[:, None]
         inputs = torch.cat([last_prompt_token.to(device).expand(len(completions), 1), completions], dim=1)
-        labels = torch.cat([completions.masked_fill(~real, -100), completions.new_full((len(completions), 1), -100)], 1)
+        labels = torch.cat(
+            [completions.masked_fill(~real, -100), completions.new_full((len(completions), 1), -100)], 1
+        )
         first_position = state.start_position + state.num_tokens
         positions = torch.arange(first_position, first_position + width + 1, device=device)
         access = StateAccess(
             state, "read", positions, self.attention_chunk_size, state.num_tokens, batch_size=len(completions)
         )
         outputs = model(
-            input_ids=inputs, position_ids=positions[None], shift_labels=labels, fused_lm_head=True, cache=access,
+            input_ids=inputs,
+            position_ids=positions[None],
+            shift_labels=labels,
+            fused_lm_head=True,
+            cache=access,
             **{STATE_KWARG: access},
         )
         entropies = None if outputs.entropy is None else outputs.entropy[:, :width]

@@ -63,7 +63,9 @@ def split_groups(
     for index in range(batch // group_size):
         rows = range(index * group_size, (index + 1) * group_size)
         prompts, masks = prompt_ids[rows.start : rows.stop], prompt_mask[rows.start : rows.stop]
-        if not (torch.equal(prompts, prompts[:1].expand_as(prompts)) and torch.equal(masks, masks[:1].expand_as(masks))):
+        if not (
+            torch.equal(prompts, prompts[:1].expand_as(prompts)) and torch.equal(masks, masks[:1].expand_as(masks))
+        ):
             raise ValueError(
                 f"Rows {rows.start}..{rows.stop - 1} (group {index}) do not share one prompt. LongStraw needs the "
                 f"num_generations={group_size} completions of a prompt in consecutive rows with identical prompt_ids "
@@ -73,9 +75,17 @@ def split_groups(
         num_real = int(real.sum())
         first_position = prompts.shape[1] - num_real
         if num_real == 0 or not bool(real[first_position:].all()):
-            raise ValueError(f"Group {index}: prompt_mask must be left-padded and non-empty (got {masks[0].tolist()}).")
+            raise ValueError(
+                f"Group {index}: prompt_mask must be left-padded and non-empty (got {masks[0].tolist()})."
+            )
         groups.append(
-            Group(index, rows, prompts[0, first_position:], first_position, completion_mask[rows.start : rows.stop].sum(1))
+            Group(
+                index,
+                rows,
+                prompts[0, first_position:],
+                first_position,
+                completion_mask[rows.start : rows.stop].sum(1),
+            )
         )
     return groups
 
@@ -152,8 +162,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             raise ValueError("LongStrawGRPOTrainer supports text-only causal LMs; this model is vision-language.")
         if self.aux_loss_enabled:
             raise ValueError(
-                f"router_aux_loss_coef={self.router_aux_loss_coef}: the MoE load-balancing loss is computed over every "
-                "token of prompt + completion, which LongStraw never runs together under autograd. Set "
+                f"router_aux_loss_coef={self.router_aux_loss_coef}: the MoE load-balancing loss is computed over "
+                "every token of prompt + completion, which LongStraw never runs together under autograd. Set "
                 "router_aux_loss_coef=0.0 (routing itself is replayed exactly)."
             )
         register_attention()

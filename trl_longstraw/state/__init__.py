@@ -19,7 +19,12 @@ from .linear_attention import LinearAttentionState
 from .mla import IndexerKeys, LatentPages
 
 __all__ = [
-    "AttentionPages", "IndexerKeys", "LatentPages", "LinearAttentionState", "PromptState", "StaleStateError",
+    "AttentionPages",
+    "IndexerKeys",
+    "LatentPages",
+    "LinearAttentionState",
+    "PromptState",
+    "StaleStateError",
     "StateAccess",
 ]
 

@@ -53,7 +53,11 @@ class AttentionPages:
             query.reshape(1, batch * heads, tokens, dim),
             key.reshape(batch * kv_heads, tokens, dim),
             value.reshape(batch * kv_heads, tokens, value.shape[-1]),
-            q_positions, q_positions, scaling, sliding_window, chunk,
+            q_positions,
+            q_positions,
+            scaling,
+            sliding_window,
+            chunk,
         )
         own_out = own_out.view(batch, heads, tokens, -1)
         own_lse = own_lse.view(batch, heads, tokens)
@@ -62,8 +66,14 @@ class AttentionPages:
         limit = access.prefix_length if access.mode == "recompute" else self.length
         if limit > 0:
             prefix_out, prefix_lse = chunked_attention(
-                query, self.key[:, :limit], self.value[:, :limit], q_positions,
-                self.positions(limit, query.device), scaling, sliding_window, chunk,
+                query,
+                self.key[:, :limit],
+                self.value[:, :limit],
+                q_positions,
+                self.positions(limit, query.device),
+                scaling,
+                sliding_window,
+                chunk,
             )
             out = merge_by_lse(prefix_out, prefix_lse, own_out, own_lse)
         else:
@@ -97,7 +107,9 @@ class AttentionPages:
         self.value[:, self.length : end] = value
         self.length = end
 
-    def recompute_pairs(self, recorded, chunk_index: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def recompute_pairs(
+        self, recorded, chunk_index: int, start: int, end: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(recomputed K or V of pages [start, end), their accumulated gradient) for the exact prompt backward."""
         pairs = []
         for recomputed, leaf in zip(recorded, (self.key, self.value), strict=True):

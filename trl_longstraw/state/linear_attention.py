@@ -69,7 +69,9 @@ class LinearAttentionState:
         else:
             states[-1] = value
 
-    def recompute_pairs(self, recorded, chunk_index: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def recompute_pairs(
+        self, recorded, chunk_index: int, start: int, end: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(recomputed end-of-chunk state, its accumulated gradient) for the exact prompt backward."""
         pairs = []
         for recomputed, leaf in zip(recorded, (self.conv[chunk_index], self.recurrent[chunk_index]), strict=True):

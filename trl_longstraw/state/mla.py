@@ -80,8 +80,14 @@ class LatentPages:
         own_selected = None if indices is None else topk_selection(indices, prefix)
         own = [
             chunked_attention(
-                absorbed[b : b + 1], own_keys[b : b + 1], own_keys[b : b + 1, :, :rank], positions, positions,
-                scaling, None, access.attention_chunk_size,
+                absorbed[b : b + 1],
+                own_keys[b : b + 1],
+                own_keys[b : b + 1, :, :rank],
+                positions,
+                positions,
+                scaling,
+                None,
+                access.attention_chunk_size,
                 None if own_selected is None else (lambda s, e, b=b: own_selected(s, e)[b : b + 1]),
             )
             for b in range(absorbed.shape[0])
@@ -91,9 +97,14 @@ class LatentPages:
         if prefix > 0:
             pages = self.pages[:, :prefix]
             prefix_out, prefix_lse = chunked_attention(
-                absorbed, pages, pages[..., :rank], positions,
+                absorbed,
+                pages,
+                pages[..., :rank],
+                positions,
                 torch.arange(self.start_position, self.start_position + prefix, device=query.device),
-                scaling, None, access.attention_chunk_size,
+                scaling,
+                None,
+                access.attention_chunk_size,
                 None if indices is None else topk_selection(indices, 0),
             )
             out = merge_by_lse(prefix_out, prefix_lse, out, lse)
