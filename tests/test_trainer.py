@@ -152,14 +152,27 @@ def test_exact_mode_matches_stock_with_loss_options(setting, fresh_model, tokeni
     assert max_relative_error(grads, ref_grads) <= 1e-4
 
 
+# Tiny GLM-5 (MLA + DSA with IndexShare + MoE): index_topk covers these short sequences (test_engine covers a sparse
+# selection). Qwen3.5's A_log/dt_bias gradients are measured against a floor of 1e-3 of the global norm (DESIGN.md).
+@pytest.mark.parametrize(
+    "model_type, floor_fraction", [("qwen3_5", 1e-3), ("glm_moe_dsa", 0.0)], ids=["gated-deltanet", "mla-dsa-moe"]
+)
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 @pytest.mark.parametrize(
     "prompt_gradient, reference_class",
     [("exact", GRPOTrainer), ("detach", DetachedReferenceTrainer)],
     ids=["exact-vs-stock", "detach-vs-detached-reference"],
 )
-def test_gated_deltanet_hybrid_matches_the_reference(
-    prompt_gradient, reference_class, loss_type, fresh_model, tokenizer, prompt_dataset, tmp_path
+def test_paper_families_match_the_reference(
+    prompt_gradient,
+    reference_class,
+    loss_type,
+    model_type,
+    floor_fraction,
+    fresh_model,
+    tokenizer,
+    prompt_dataset,
+    tmp_path,
 ):
     ref_loss, loss, ref_grads, grads = run_pair(
         reference_class,
@@ -167,36 +180,10 @@ def test_gated_deltanet_hybrid_matches_the_reference(
         tokenizer,
         prompt_dataset,
         tmp_path,
-        model_type="qwen3_5",
+        model_type=model_type,
         loss_type=loss_type,
         beta=0.04,
         prompt_gradient=prompt_gradient,
     )
     assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
-    assert max_relative_error(grads, ref_grads, floor_fraction=1e-3) <= 1e-4
-
-
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-@pytest.mark.parametrize(
-    "prompt_gradient, reference_class",
-    [("exact", GRPOTrainer), ("detach", DetachedReferenceTrainer)],
-    ids=["exact-vs-stock", "detach-vs-detached-reference"],
-)
-def test_mla_dsa_moe_matches_the_reference(
-    prompt_gradient, reference_class, loss_type, fresh_model, tokenizer, prompt_dataset, tmp_path
-):
-    # Tiny GLM-5 (MLA + DSA with IndexShare + MoE); index_topk covers these short sequences (see test_engine for a
-    # sparse selection).
-    ref_loss, loss, ref_grads, grads = run_pair(
-        reference_class,
-        fresh_model,
-        tokenizer,
-        prompt_dataset,
-        tmp_path,
-        model_type="glm_moe_dsa",
-        loss_type=loss_type,
-        beta=0.04,
-        prompt_gradient=prompt_gradient,
-    )
-    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
-    assert max_relative_error(grads, ref_grads) <= 1e-4
+    assert max_relative_error(grads, ref_grads, floor_fraction=floor_fraction) <= 1e-4
