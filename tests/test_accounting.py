@@ -1,49 +1,51 @@
-"""State accounting from a config agrees with what a capture actually keeps, and with the paper's GLM-5 figure."""
+"""State accounting from the registry agrees with what a capture actually keeps, for every family, and with the
+paper's figures for GLM-5 and Qwen3.6-27B."""
 
 import json
 
 import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig
+from transformers import AutoConfig
 
 from trl_longstraw.accounting import prompt_state_account, stock_activation_bytes
-from trl_longstraw.embedded import build_model
+from trl_longstraw.architectures import UnsupportedModelError
+from trl_longstraw.embedded import FAMILIES, build_model, tiny_config
 from trl_longstraw.engine import LongStrawEngine
 
-from .test_engine import MISTRAL_SLIDING, case, prepared
+from .test_engine import case, prepared
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5", "mistral-sliding"])
-def test_accounting_matches_a_captured_state(model_type):
-    if model_type == "mistral-sliding":
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(MistralConfig(**MISTRAL_SLIDING))
-    else:
-        model = build_model(model_type)
+def architecture(name):
+    kwargs = json.load(open(f"configs/architectures/{name}.json"))
+    return AutoConfig.for_model(**{k: v for k, v in kwargs.items() if not k.startswith("_")})
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("prompt_gradient", ["detach", "exact"])
+def test_accounting_matches_a_captured_state(family, prompt_gradient):
+    model = prepared(build_model(family))
     prompt, _, _ = case(prompt_length=45)
-    state = LongStrawEngine(16, 16).capture(prepared(model), prompt, first_position=0)
-    assert prompt_state_account(model.config, dtype_bytes=4).bytes(44) == state.nbytes()
+    engine = LongStrawEngine(64, 16, prompt_gradient=prompt_gradient)  # one capture chunk: one exact-mode boundary
+    state = engine.capture(model, prompt, first_position=0)
+    account = prompt_state_account(model.config, dtype_bytes=4, exact=prompt_gradient == "exact")
+    assert account.bytes(44) == state.nbytes()
 
 
 def test_glm5_keeps_576_latent_values_per_token_per_layer():
-    kwargs = json.load(open("configs/architectures/glm5.json"))
-    config = AutoConfig.for_model(**{k: v for k, v in kwargs.items() if not k.startswith("_")})
-    account = prompt_state_account(config, dtype_bytes=2)
+    account = prompt_state_account(architecture("glm5"), dtype_bytes=2)
     assert account.by_layer_type["mla_latent"].per_token == 576 * 2
     assert account.by_layer_type["mla_latent"].layers == 78
     assert account.by_layer_type["dsa_indexer_keys"].layers == 21
 
 
 def test_state_is_far_below_stock_at_long_prompts():
-    kwargs = json.load(open("configs/architectures/qwen3_6_27b.json"))
-    config = AutoConfig.for_model(**{k: v for k, v in kwargs.items() if not k.startswith("_")})
+    config = architecture("qwen3_6_27b")
     account = prompt_state_account(config)
-    assert account.by_layer_type["linear_attention"].per_token == 0  # GatedDeltaNet state does not grow with P
+    assert account.by_layer_type["gated_deltanet"].per_token == 0  # GatedDeltaNet state does not grow with P
     assert account.bytes(2_097_152) * 50 < stock_activation_bytes(config, 2_097_152, 8192, group_size=8)
 
 
-def test_unknown_layer_type_is_refused():
-    config = build_model("qwen3").config
-    config.layer_types = ["full_attention", "mamba"]
-    with pytest.raises(ValueError, match="layer 1: no prompt-state accounting for layer type 'mamba'"):
+def test_a_config_the_engine_refuses_is_refused_by_the_accounting():
+    config = tiny_config("qwen3")
+    config.layer_types = ["full_attention", "linear_attention"]  # a layer type its modules do not have
+    with pytest.raises(UnsupportedModelError, match="Layer 1 .*layer type 'linear_attention'"):
         prompt_state_account(config)

@@ -1,19 +1,17 @@
-"""Capture + score + replay against a single full forward (DESIGN.md ladder 2 and 6), stale state, numerics."""
+"""The engine's own contracts: what a capture keeps, one-token prompts, stale state, numerics, the prepared-model
+guard, host-resident state. Every family's ladder levels are in `test_families.py`."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MistralConfig
 from trl.trainer.utils import add_fused_lm_head
 
-from trl_longstraw.attention import ATTENTION_IMPLEMENTATION, register_attention
 from trl_longstraw.embedded import build_model
-from trl_longstraw.engine import LongStrawEngine, NonFiniteError
-from trl_longstraw.state import LinearAttentionState, StaleStateError
+from trl_longstraw.engine import LongStrawEngine, NonFiniteError, prepare_model
+from trl_longstraw.state import AttentionPages, LinearAttentionState, StaleStateError, UnpreparedModelError
 
 
 def prepared(model):
-    register_attention()
-    model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
+    prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     return model
 
@@ -40,85 +38,20 @@ def case(seed=0, prompt_length=29, completion_width=7, vocab=100):
     return prompt, completions, lengths
 
 
-MISTRAL_SLIDING = dict(
-    vocab_size=102,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=1,
-    head_dim=16,
-    sliding_window=6,
-)
-
-
-# glm_moe_dsa: index_topk 64 >= every sequence here (dense selection); glm_moe_dsa-sparse: top-12 of up to 36 keys.
-# DSA's top-k is discontinuous at ties, which ReLU makes common (a key every index head scores negative gets exactly
-# 0): the sparse case uses 32 index heads so that no key scores exactly 0 and no tie sits at the selection boundary.
-@pytest.mark.parametrize(
-    "model_type", ["qwen3", "llama", "mistral-sliding", "qwen3_5", "glm_moe_dsa", "glm_moe_dsa-sparse"]
-)
-@pytest.mark.parametrize("prefill_chunk, attention_chunk", [(1000, 1000), (4, 3), (7, 1)])
-def test_score_matches_full_forward(model_type, prefill_chunk, attention_chunk):
-    if model_type == "mistral-sliding":
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(MistralConfig(**MISTRAL_SLIDING))
-    elif model_type == "glm_moe_dsa-sparse":
-        model = build_model("glm_moe_dsa", index_topk=12, index_n_heads=32)
-    else:
-        model = build_model(model_type)
-    model = prepared(model)
-    prompt, completions, lengths = case()
-    engine = LongStrawEngine(prefill_chunk, attention_chunk)
-    with torch.no_grad():
-        want_logps, want_entropies = full_forward(model, prompt, completions, lengths, offset=5)
-        state = engine.capture(model, prompt, first_position=5)
-        logps, entropies = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=2)
-    assert (logps - want_logps).abs().max() <= 1e-5
-    assert (entropies - want_entropies).abs().max() <= 1e-5
-    assert torch.all(logps[1, 3:] == 0) and torch.all(logps[2, 5:] == 0)
-
-
 def test_sliding_window_state_keeps_only_the_window():
-    torch.manual_seed(0)
-    model = prepared(AutoModelForCausalLM.from_config(MistralConfig(**MISTRAL_SLIDING)))
+    model = prepared(build_model("mistral"))
     prompt, _, _ = case()
     state = LongStrawEngine(4, 3).capture(model, prompt, first_position=0)
-    assert all(pages.key.shape[1] == MISTRAL_SLIDING["sliding_window"] - 1 for pages in state.layers.values())
+    window = model.config.sliding_window
+    assert all(pages.key.read().shape[1] == window - 1 for pages in state.layers)
+    assert state.layers[0].start_position == prompt.numel() - 1 - (window - 1)
 
 
-@pytest.mark.parametrize(
-    "model_type, prompt_gradient",
-    [
-        ("qwen3", "detach"),
-        ("qwen3_5", "detach"),
-        ("qwen3_5", "exact"),
-        ("glm_moe_dsa", "detach"),
-        ("glm_moe_dsa", "exact"),
-    ],
-)
-def test_replay_matches_score_and_leaves_the_state_bitwise_unchanged(model_type, prompt_gradient):
-    model = prepared(build_model(model_type))
-    prompt, completions, lengths = case()
-    engine = LongStrawEngine(8, 5, prompt_gradient=prompt_gradient)
-    state = engine.capture(model, prompt, first_position=0)
-    if prompt_gradient == "exact":
-        state.requires_grad_()
-    before = [t.detach().clone() for t in state.tensors()]
-    scored, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
-    for member in range(3):
-        logps, entropies = engine.replay(model, state, prompt[-1:], completions[member], int(lengths[member]))
-        (logps.sum() + entropies.sum()).backward()
-        assert torch.allclose(logps.detach(), scored[member, : int(lengths[member])], atol=1e-6)
-    assert all(torch.equal(a, b) for a, b in zip(before, state.tensors(), strict=True))
-    if prompt_gradient == "exact":  # the state the replays read received their gradient (earlier chunk boundaries
-        # of linear-attention layers only get theirs in the prompt backward)
-        for layer in state.layers.values():
-            if isinstance(layer, LinearAttentionState):
-                read = [layer.conv[-1], layer.recurrent[-1]]
-            else:
-                read = layer.tensors() if layer.differentiable else []
-            assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in read)
+def test_exact_mode_keeps_every_entry_of_a_sliding_window_layer():
+    model = prepared(build_model("mistral"))
+    prompt, _, _ = case()
+    state = LongStrawEngine(4, 3, prompt_gradient="exact").capture(model, prompt, first_position=0)
+    assert all(pages.key.read().shape[1] == prompt.numel() - 1 for pages in state.layers)
 
 
 def test_gated_deltanet_state_size_is_independent_of_the_prompt_length():
@@ -127,10 +60,10 @@ def test_gated_deltanet_state_size_is_independent_of_the_prompt_length():
     short, long = (engine.capture(model, case(prompt_length=n)[0], 0) for n in (20, 60))
 
     def shapes(state, kind):
-        return [t.shape for key in sorted(state.layers) if key[1] == kind for t in state.layers[key].tensors()]
+        return [t.shape for layer in state.layers if isinstance(layer, kind) for t in layer.tensors()]
 
-    assert shapes(short, "LinearAttentionState") == shapes(long, "LinearAttentionState")
-    assert [s[1] + 40 for s in shapes(short, "AttentionPages")] == [s[1] for s in shapes(long, "AttentionPages")]
+    assert shapes(short, LinearAttentionState) == shapes(long, LinearAttentionState)
+    assert [s[1] + 40 for s in shapes(short, AttentionPages)] == [s[1] for s in shapes(long, AttentionPages)]
 
 
 def test_state_holds_kv_pages_of_all_but_the_last_prompt_token():
@@ -174,3 +107,34 @@ def test_prompt_state_on_cpu_gives_the_same_scores():
         b, _ = on_cpu.score(model, state, prompt[-1:], completions, lengths, 3)
     assert all(t.device.type == "cpu" for t in state.tensors())
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen3_5", "nemotron_h", "deepseek_v3", "glm_moe_dsa"])
+def test_a_one_token_prompt_scores_and_replays_from_an_empty_state(family):
+    model = prepared(build_model(family))
+    prompt, completions, lengths = case(prompt_length=1)
+    engine = LongStrawEngine(8, 4)
+    with torch.no_grad():
+        want, _ = full_forward(model, prompt, completions, lengths, offset=3)
+        state = engine.capture(model, prompt, first_position=3)
+        scored, _ = engine.score(model, state, prompt, completions, lengths, batch_size=3)
+    assert state.num_tokens == 0 and state.nbytes() == 0
+    assert (scored - want).abs().max() <= 1e-5
+    logps, _ = engine.replay(model, state, prompt, completions[0], int(lengths[0]))
+    assert torch.allclose(logps.detach(), scored[0], atol=1e-6)
+
+
+def test_a_model_with_another_attention_implementation_is_refused_before_capture():
+    model = build_model("qwen3")
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    with pytest.raises(UnpreparedModelError, match="attention implementation is 'sdpa'.*prepare_model"):
+        LongStrawEngine(8, 8).capture(model, case()[0], first_position=0)
+
+
+def test_a_layer_that_bypasses_the_prompt_state_is_refused_after_capture():
+    """A mixer whose forward never reaches LongStraw would have its completions scored without the prompt."""
+    model = prepared(build_model("qwen3"))
+    attention = model.model.layers[1].self_attn
+    attention.forward = lambda hidden_states, *args, **kwargs: (torch.zeros_like(hidden_states), None)
+    with pytest.raises(UnpreparedModelError, match="no prompt state for layer 1 attention"):
+        LongStrawEngine(8, 8).capture(model, case()[0], first_position=0)

@@ -1,12 +1,14 @@
 """Bad input fails before expensive work, with an error that names the field and the fix."""
 
+import json
+
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoConfig, MambaConfig, MambaForCausalLM
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
 from trl_longstraw.architectures import UnsupportedModelError, check_supported
-from trl_longstraw.embedded import tiny_config
+from trl_longstraw.embedded import build_model, tiny_config
 from trl_longstraw.engine import NonFiniteError
 
 from .conftest import make_trainer, synthetic_inputs, trainer_args
@@ -49,9 +51,11 @@ def test_fp16_is_refused(tmp_path, tokenizer, prompt_dataset, fresh_model):
         )
 
 
-def test_unsupported_architecture_names_the_supported_ones(tmp_path, tokenizer, prompt_dataset):
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=102))
-    with pytest.raises(UnsupportedModelError, match="model_type='gpt2'.*llama, mistral, qwen2, qwen3"):
+def test_a_layer_without_a_registered_state_kind_is_named(tmp_path, tokenizer, prompt_dataset):
+    model = MambaForCausalLM(MambaConfig(num_hidden_layers=1, hidden_size=32, state_size=4, vocab_size=102))
+    with pytest.raises(
+        UnsupportedModelError, match=r"Layer 0 \(MambaBlock, layer type 'linear_attention'\).*mixer: MambaMixer"
+    ):
         LongStrawGRPOTrainer(
             model=model,
             reward_funcs=len,
@@ -66,6 +70,49 @@ def test_unsupported_layer_type_is_named():
     config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(UnsupportedModelError, match="Layer 1 .* 'linear_attention'"):
         check_supported(config)
+
+
+def test_support_is_decided_by_the_modules_not_the_model_type(tmp_path):
+    """A remote-code model (its own model_type and classes) built from supported modules is accepted."""
+    (tmp_path / "configuration_tiny.py").write_text(
+        "from transformers import Qwen3Config\n\n\nclass TinyConfig(Qwen3Config):\n    model_type = 'tiny_remote'\n"
+    )
+    (tmp_path / "modeling_tiny.py").write_text(
+        "from transformers import Qwen3ForCausalLM\n\nfrom .configuration_tiny import TinyConfig\n\n\n"
+        "class TinyForCausalLM(Qwen3ForCausalLM):\n    config_class = TinyConfig\n"
+    )
+    config = tiny_config("qwen3").to_dict()
+    config.update(
+        model_type="tiny_remote",
+        auto_map={
+            "AutoConfig": "configuration_tiny.TinyConfig",
+            "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM",
+        },
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    remote = AutoConfig.from_pretrained(tmp_path, trust_remote_code=True)
+    plans = check_supported(remote, trust_remote_code=True)
+    assert [kind.name for plan in plans for kind, _ in plan.kinds] == ["attention", "attention"]
+
+
+def test_attention_that_bypasses_the_attention_interface_is_refused():
+    from trl_longstraw.state import registry
+
+    class Handwritten(torch.nn.Module):  # attention-shaped, but its forward never asks the AttentionInterface
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.o_proj, self.layer_idx = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), 0
+
+        def forward(self, hidden_states):
+            return self.o_proj(self.q_proj(hidden_states))
+
+    assert not registry.routes_through_attention_interface(Handwritten)
+    model = build_model("qwen3")
+    model.model.layers[0].self_attn = Handwritten()
+    with pytest.raises(
+        UnsupportedModelError, match="Layer 0 .*Handwritten does not call transformers' AttentionInterface"
+    ):
+        check_supported(model)
 
 
 @pytest.fixture

@@ -1,46 +1,74 @@
-"""Which models the LongStraw engine can drive, checked from the config before any expensive work."""
+"""Which models the LongStraw engine can drive, decided by the state-kind registry before any expensive work.
+
+A model is supported when every decoder layer maps to a registered state kind (`state/registry.py`) and its
+attention-like mixers route through transformers' `AttentionInterface`. There is no model-type allowlist: a config
+is checked by planning the layers of its skeleton, built on the meta device (no weights, no memory), so a Hub model
+id is checked before its weights are downloaded, and remote-code models are judged by their modules like any other.
+"""
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
 
-# Decoders whose token mixers LongStraw has a prompt state for, with the layer types each may use. Softmax attention
-# must go through transformers' AttentionInterface with standard GQA shapes (no logit soft-capping, no sinks);
-# GatedDeltaNet layers go through the Cache API (`get/update_conv_state`, `get/update_recurrent_state`); MLA/DSA
-# layers (`glm_moe_dsa`) cache their latent through `Cache.update` and their indexer keys through `update_indexer`.
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
-SUPPORTED_LAYER_TYPES = {
-    "llama": ATTENTION_LAYER_TYPES,
-    "mistral": ATTENTION_LAYER_TYPES,
-    "qwen2": ATTENTION_LAYER_TYPES,
-    "qwen3": ATTENTION_LAYER_TYPES,
-    "qwen3_5_text": ("full_attention", "linear_attention"),
-    "glm_moe_dsa": ("indexed_attention",),
-}
-SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_LAYER_TYPES)
+from .state import LayerPlan, UnsupportedModelError, plan_layers
+from .state.registry import check_attention_dropout
+
+__all__ = ["UnsupportedModelError", "check_supported", "model_skeleton"]
 
 
-class UnsupportedModelError(ValueError):
-    """The model's architecture or one of its layer types has no LongStraw prompt state."""
+def model_skeleton(config: PretrainedConfig, trust_remote_code: bool = False) -> nn.Module:
+    """The causal LM of `config` with its parameters on the meta device: its modules, none of its memory."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
 
 
-def check_supported(config: PretrainedConfig) -> None:
-    """Raise `UnsupportedModelError` naming what is unsupported and what is, or return silently."""
-    text_config = config.get_text_config()
-    model_type = text_config.model_type
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"LongStrawGRPOTrainer has no prompt state for model_type={model_type!r}. Supported model types: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}."
-        )
-    for index, layer_type in enumerate(getattr(text_config, "layer_types", None) or []):
-        if layer_type not in SUPPORTED_LAYER_TYPES[model_type]:
+def check_supported(model_or_config: nn.Module | PretrainedConfig, trust_remote_code: bool = False) -> list[LayerPlan]:
+    """The layer plan of a model (or of a config's skeleton); raise `UnsupportedModelError` naming what is missing."""
+    if isinstance(model_or_config, PretrainedConfig):
+        config = model_or_config
+        check_attention_dropout(config)
+        try:
+            model = model_skeleton(config, trust_remote_code=trust_remote_code)
+        except ValueError as error:  # no causal-LM class for this config
             raise UnsupportedModelError(
-                f"Layer {index} of this {model_type} model is a {layer_type!r} layer, which LongStraw cannot capture. "
-                f"Supported layer types for {model_type}: {', '.join(SUPPORTED_LAYER_TYPES[model_type])}."
-            )
-    if getattr(text_config, "attention_dropout", 0.0):
-        raise UnsupportedModelError(
-            f"The model config sets attention_dropout={text_config.attention_dropout}: the replay must reproduce "
-            "the scoring pass exactly, so set attention_dropout=0.0 in the model config."
-        )
+                f"model_type={config.model_type!r} has no causal language model class in transformers "
+                f"({error}); LongStrawGRPOTrainer trains causal LMs."
+            ) from error
+    else:
+        model = model_or_config
+        check_attention_dropout(model.config)
+    return plan_layers(model)
+
+
+VERIFIED_LEVELS = "2, 3, 4, 6 in both modes"
+
+
+def support_table() -> str:
+    """The README's support table, generated from the registry over the embedded tiny config of every family.
+
+    Every row is verified at `VERIFIED_LEVELS` by `tests/test_families.py`, which runs over the same families;
+    `tests/test_support_table.py` fails when the README and this table disagree.
+    """
+    from .embedded import FAMILIES, tiny_config
+
+    rows = [
+        "| family | `model_type` | what it exercises | prompt state per layer (tiny config) | verified (ladder) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for family, (model_type, _, exercises) in FAMILIES.items():
+        layers = []
+        for plan in check_supported(tiny_config(family)):
+            kinds = " + ".join(kind.name for kind, _ in plan.kinds)
+            if layers and layers[-1][0] == kinds:
+                layers[-1][1] += 1
+            else:
+                layers.append([kinds, 1])
+        summary = ", ".join(f"{count} x {kinds}" for kinds, count in layers)
+        rows.append(f"| {family} | `{model_type}` | {exercises} | {summary} | {VERIFIED_LEVELS} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(support_table())

@@ -13,7 +13,9 @@ no `[queries, prefix]` score matrix ever exists in full, forward or backward.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -29,21 +31,42 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_mask(
-    q_positions: torch.Tensor, k_positions: torch.Tensor, sliding_window: int | None
-) -> torch.Tensor | None:
-    """Boolean `[rows, keys]` visibility (causal by absolute position, optionally windowed), or None if all visible."""
-    if sliding_window is None and int(k_positions[-1]) <= int(q_positions.min()):
+@dataclass(frozen=True)
+class Visibility:
+    """Which earlier keys a query may see, by absolute position, on top of causality.
+
+    `sliding_window`: keys less than `sliding_window` positions back (transformers' `sliding_window_overlay`).
+    `chunk_size`: keys in the query's own chunk of `chunk_size` positions counted from `chunk_origin`, the first real
+    token (Llama 4's chunked attention, transformers' `chunked_overlay`).
+    """
+
+    sliding_window: int | None = None
+    chunk_size: int | None = None
+    chunk_origin: int = 0
+
+    def windowed(self) -> bool:
+        return self.sliding_window is not None or self.chunk_size is not None
+
+
+CAUSAL = Visibility()
+
+
+def _chunk_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, visibility: Visibility) -> torch.Tensor | None:
+    """Boolean `[rows, keys]` visibility (causal by absolute position, windowed or chunked), or None if all visible."""
+    if not visibility.windowed() and int(k_positions[-1]) <= int(q_positions.min()):
         return None
     visible = k_positions[None, :] <= q_positions[:, None]
-    if sliding_window is not None:
-        visible &= (q_positions[:, None] - k_positions[None, :]) < sliding_window
+    if visibility.sliding_window is not None:
+        visible &= (q_positions[:, None] - k_positions[None, :]) < visibility.sliding_window
+    if visibility.chunk_size is not None:
+        origin, size = visibility.chunk_origin, visibility.chunk_size
+        visible &= (k_positions[None, :] - origin) // size == (q_positions[:, None] - origin) // size
     return visible
 
 
-def _mask_scores(scores, q_positions, k_positions, start, end, sliding_window, selection, rows=slice(None)) -> None:
+def _mask_scores(scores, q_positions, k_positions, start, end, visibility, selection, rows=slice(None)) -> None:
     """Set to -inf the scores of keys `start:end` that query rows `rows` may not see."""
-    mask = _chunk_mask(q_positions[rows], k_positions[start:end], sliding_window)
+    mask = _chunk_mask(q_positions[rows], k_positions[start:end], visibility)
     if selection is not None:
         selected = selection(start, end)[:, rows]
         mask = selected if mask is None else mask & selected
@@ -58,17 +81,24 @@ def _mask_scores(scores, q_positions, k_positions, start, end, sliding_window, s
 BACKWARD_ROW_BLOCK = 128
 
 
-def _masked_chunk(q, kc, vc, q_positions, k_positions, start, end, scaling, sliding_window, selection, acc):
+def _soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma-2's attention logit soft-capping, `softcap * tanh(scores / softcap)`, in place."""
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    return scores
+
+
+def _masked_chunk(q, kc, vc, q_positions, k_positions, start, end, scaling, visibility, softcap, selection, acc):
     """One key chunk in plain torch: `(o [kv_heads, rows, dv], lse [kv_heads, rows])`, zero / -inf where unseen."""
-    scores = torch.matmul(q.to(acc), kc.to(acc).transpose(1, 2)).mul_(scaling)
-    _mask_scores(scores, q_positions, k_positions, start, end, sliding_window, selection)
+    scores = _soft_cap(torch.matmul(q.to(acc), kc.to(acc).transpose(1, 2)).mul_(scaling), softcap)
+    _mask_scores(scores, q_positions, k_positions, start, end, visibility, selection)
     lse = torch.logsumexp(scores, dim=-1)
     safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     probs = torch.exp(scores.sub_(safe_lse[..., None]))
     return torch.matmul(probs, vc.to(acc)), lse
 
 
-def _fused_chunk(q, kc, vc, q_positions, k_positions, start, end, scaling, sliding_window, selection):
+def _fused_chunk(q, kc, vc, q_positions, k_positions, start, end, scaling, visibility, softcap, selection):
     """The same chunk through PyTorch's fused CPU flash-attention kernel (which also returns the log-sum-exp), when
     no per-row mask is needed: keys all visible, or the queries' own tokens under a plain causal mask. None otherwise.
 
@@ -77,12 +107,14 @@ def _fused_chunk(q, kc, vc, q_positions, k_positions, start, end, scaling, slidi
     """
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or selection is not None:
         return None
+    if softcap is not None or vc.shape[-1] != q.shape[-1]:  # the kernel has no soft-cap and one head size (not MLA's)
+        return None
     kv_heads, rows, dim = q.shape
     tokens = end - start
-    if _chunk_mask(q_positions, k_positions[start:end], sliding_window) is None:  # every key visible to every row
+    if _chunk_mask(q_positions, k_positions[start:end], visibility) is None:  # every key visible to every row
         query, key, value, causal = q[:, None], kc[:, None], vc[:, None], False
     elif (
-        sliding_window is None
+        not visibility.windowed()
         and start == 0
         and end == k_positions.numel()
         and rows % tokens == 0
@@ -103,11 +135,32 @@ def _fused_chunk(q, kc, vc, q_positions, k_positions, start, end, scaling, slidi
     return out.reshape(kv_heads, rows, -1).to(acc), lse.reshape(kv_heads, rows).to(acc)
 
 
-def _merge_running(out, lse, part_out, part_lse):
-    """Online-softmax merge of two disjoint key sets' `(o, lse)`; rows that saw no key keep o = 0, lse = -inf."""
-    merged = torch.logaddexp(lse, part_lse)
-    safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
-    return (torch.exp(lse - safe)[..., None] * out + torch.exp(part_lse - safe)[..., None] * part_out), merged
+def merge_by_lse(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention over the union of two disjoint key sets, from each set's output and log-sum-exp.
+
+    `lse = logaddexp(lse_a, lse_b)`, `o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b`, computed in the dtype of the
+    log-sum-exps (fp32 or wider). Rows that saw no key in either set keep `o = 0`, `lse = -inf`. Returns `(o, lse)`,
+    `o` in `out_a`'s dtype.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    weight_a = torch.exp(lse_a - safe)[..., None]
+    weight_b = torch.exp(lse_b - safe)[..., None]
+    out = weight_a * out_a.to(weight_a.dtype) + weight_b * out_b.to(weight_b.dtype)
+    return out.to(out_a.dtype), lse
+
+
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention sinks (gpt-oss): one learned logit per head joins every softmax denominator, with a zero value.
+
+    `out [batch, heads, tokens, dv]`, `lse [batch, heads, tokens]` over all real keys, `sinks [heads]`. The sink is a
+    key set of its own (output 0, log-sum-exp `sinks[h]`) merged by LSE, so its gradient reaches the parameter.
+    """
+    sink_lse = sinks.to(lse.dtype)[None, :, None].expand_as(lse)
+    merged, _ = merge_by_lse(out, lse, torch.zeros_like(out), sink_lse)
+    return merged
 
 
 class ChunkedAttention(torch.autograd.Function):
@@ -117,26 +170,26 @@ class ChunkedAttention(torch.autograd.Function):
     d]`, `v [kv_heads, keys, dv]`, `q_positions [rows]`, `k_positions [keys]` (absolute token positions). Keys may
     live on another device than the queries (host-resident prompt state): each chunk is staged on use. `selection`,
     if given, maps a key range `(start, end)` to a boolean `[kv_heads or 1, rows, end - start]` of the keys each row
-    may see (DSA's top-k), on top of causality.
+    may see (DSA's top-k), on top of causality and `visibility`; `softcap` caps the scores (Gemma 2).
     Returns `o [kv_heads, rows, dv]` (zero for rows that see no key) and `lse [kv_heads, rows]` (-inf there).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, q_positions, k_positions, scaling, sliding_window, chunk_size, selection=None):
+    def forward(ctx, q, k, v, q_positions, k_positions, scaling, visibility, chunk_size, softcap=None, selection=None):
         acc = _accumulation_dtype(q.dtype)
         out = lse = None
         for start in range(0, k.shape[1], chunk_size):
             end = min(start + chunk_size, k.shape[1])
             kc = k[:, start:end].to(q.device, non_blocking=True)
             vc = v[:, start:end].to(q.device, non_blocking=True)
-            part = _fused_chunk(q, kc, vc, q_positions, k_positions, start, end, scaling, sliding_window, selection)
+            chunk_args = (q, kc, vc, q_positions, k_positions, start, end, scaling, visibility, softcap, selection)
+            part = _fused_chunk(*chunk_args)
             if part is None:
-                part = _masked_chunk(
-                    q, kc, vc, q_positions, k_positions, start, end, scaling, sliding_window, selection, acc
-                )
-            out, lse = part if out is None else _merge_running(out, lse, *part)
+                part = _masked_chunk(*chunk_args, acc)
+            out, lse = part if out is None else merge_by_lse(out, lse, *part)
         ctx.save_for_backward(q, k, v, q_positions, k_positions, out, lse)
-        ctx.scaling, ctx.sliding_window, ctx.chunk_size, ctx.selection = scaling, sliding_window, chunk_size, selection
+        ctx.scaling, ctx.visibility, ctx.chunk_size = scaling, visibility, chunk_size
+        ctx.softcap, ctx.selection = softcap, selection
         return out.to(q.dtype), lse
 
     @staticmethod
@@ -162,13 +215,20 @@ class ChunkedAttention(torch.autograd.Function):
             for row_start in range(0, q.shape[1], BACKWARD_ROW_BLOCK):
                 rows = slice(row_start, row_start + BACKWARD_ROW_BLOCK)
                 scores = torch.matmul(qf[:, rows], kc.transpose(1, 2)).mul_(ctx.scaling)
-                _mask_scores(scores, q_positions, k_positions, start, end, ctx.sliding_window, ctx.selection, rows)
+                capped = None
+                if ctx.softcap is not None:  # d(c tanh(s / c)) / ds = 1 - tanh(s / c)^2
+                    capped = scores.div_(ctx.softcap).tanh_()
+                    scores = capped * ctx.softcap
+                _mask_scores(scores, q_positions, k_positions, start, end, ctx.visibility, ctx.selection, rows)
                 probs = torch.exp(scores.sub_(safe_lse[:, rows, None]))
                 if need_v:
                     chunk_grad_v += torch.matmul(probs.transpose(1, 2), grad_out[:, rows])
                 grad_scores = probs.mul_(
                     torch.matmul(grad_out[:, rows], vc.transpose(1, 2)).add_(row_term[:, rows, None])
-                ).mul_(ctx.scaling)
+                )
+                if capped is not None:
+                    grad_scores.mul_(1 - capped.square_())
+                grad_scores.mul_(ctx.scaling)
                 if need_q:
                     grad_q[:, rows] += torch.matmul(grad_scores, kc)
                 if need_k:
@@ -178,7 +238,7 @@ class ChunkedAttention(torch.autograd.Function):
             if need_v:
                 grad_v[:, start:end] = chunk_grad_v.to(v.device, v.dtype)
         grad_q = grad_q.to(q.dtype) if need_q else None
-        return grad_q, grad_k, grad_v, None, None, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None, None, None, None
 
 
 def chunked_attention(
@@ -188,9 +248,10 @@ def chunked_attention(
     q_positions: torch.Tensor,
     k_positions: torch.Tensor,
     scaling: float,
-    sliding_window: int | None,
+    visibility: Visibility,
     chunk_size: int,
     selected: Callable[[int, int], torch.Tensor] | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped-query attention of `q [batch, heads, tokens, d]` over `k, v [kv_heads, keys, d]` shared by the batch.
 
@@ -211,19 +272,11 @@ def chunked_attention(
             return chunk.reshape(1, batch * groups * tokens, end - start)
 
     out, lse = ChunkedAttention.apply(
-        rows, k, v, row_positions, k_positions, scaling, sliding_window, chunk_size, selection
+        rows, k, v, row_positions, k_positions, scaling, visibility, chunk_size, softcap, selection
     )
     out = out.view(kv_heads, batch, groups, tokens, -1).permute(1, 0, 2, 3, 4).reshape(batch, heads, tokens, -1)
     lse = lse.view(kv_heads, batch, groups, tokens).permute(1, 0, 2, 3).reshape(batch, heads, tokens)
     return out, lse
-
-
-def merge_by_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
-    """Exact softmax attention over the union of two disjoint key sets, from each set's output and log-sum-exp."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    weight_a = torch.exp(lse_a - lse)[..., None]
-    weight_b = torch.exp(lse_b - lse)[..., None]
-    return (weight_a * out_a.to(weight_a.dtype) + weight_b * out_b.to(weight_b.dtype)).to(out_a.dtype)
 
 
 def longstraw_attention_forward(
@@ -237,15 +290,43 @@ def longstraw_attention_forward(
     sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """The registered attention function: LongStraw's prompt state when a forward carries one, SDPA otherwise.
+    """The registered attention function: LongStraw's prompt state when a forward carries one, stock otherwise.
 
-    Generation and any forward that does not pass `longstraw_state=` run exactly as the `sdpa` implementation.
+    A forward that does not pass `longstraw_state=` (generation, evaluation of other metrics) runs as transformers
+    would: SDPA, or the model's own eager attention where SDPA cannot express it (attention sinks, logit
+    soft-capping). With a state, attention sinks (`s_aux`, gpt-oss) and soft-capping (`softcap`, Gemma 2) are
+    applied by the prompt state's attention.
     """
     state_access = kwargs.pop(STATE_KWARG, None)
+    sinks = kwargs.pop("s_aux", None)
+    softcap = kwargs.pop("softcap", None)
     if state_access is None:
-        indices = kwargs.pop("indices", None)
-        if indices is not None:  # DSA top-k: transformers turns it into a mask only for its own eager/sdpa names
-            attention_mask = _restrict_to_selection(attention_mask, indices, key.shape[2])
+        return _stock_attention(
+            module, query, key, value, attention_mask, scaling, dropout, sliding_window, sinks, softcap, **kwargs
+        )
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = state_access.attend(
+        module,
+        query,
+        key,
+        value,
+        scaling=scaling,
+        sliding_window=sliding_window,
+        indices=kwargs.get("indices"),
+        sinks=sinks,
+        softcap=softcap,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _stock_attention(
+    module, query, key, value, attention_mask, scaling, dropout, sliding_window, sinks, softcap, **kw
+):
+    indices = kw.pop("indices", None)
+    if indices is not None:  # DSA top-k: transformers turns it into a mask only for its own eager/sdpa names
+        attention_mask = _restrict_to_selection(attention_mask, indices, key.shape[2])
+    if sinks is None and softcap is None:
         return sdpa_attention_forward(
             module,
             query,
@@ -255,12 +336,32 @@ def longstraw_attention_forward(
             scaling=scaling,
             dropout=dropout,
             sliding_window=sliding_window,
-            **kwargs,
+            **kw,
         )
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    out = state_access.attend(module, query, key, value, scaling, sliding_window, kwargs.get("indices"))
-    return out.transpose(1, 2).contiguous(), None
+    # The modeling file's own eager attention implements its sinks / soft-capping; it adds the mask to the scores.
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    if attention_mask is None:  # SDPA's mask may be skipped in favour of `is_causal`; eager needs it spelled out
+        queries, keys = query.shape[2], key.shape[2]
+        q_positions = torch.arange(keys - queries, keys, device=query.device)
+        attention_mask = _chunk_mask(q_positions, torch.arange(keys, device=query.device), Visibility(sliding_window))
+        attention_mask = None if attention_mask is None else attention_mask[None, None]
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill_(
+            ~attention_mask, torch.finfo(query.dtype).min
+        )
+    extra = {"s_aux": sinks} if sinks is not None else {"softcap": softcap}
+    return eager(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling=scaling,
+        dropout=dropout,
+        sliding_window=sliding_window,
+        **extra,
+        **kw,
+    )
 
 
 def _restrict_to_selection(attention_mask: torch.Tensor, indices: torch.Tensor, num_keys: int) -> torch.Tensor:

@@ -24,8 +24,8 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .attention import STATE_KWARG
-from .state import PromptState, StateAccess
+from .attention import ATTENTION_IMPLEMENTATION, STATE_KWARG, register_attention
+from .state import PromptState, StateAccess, UnpreparedModelError, plan_layers
 
 
 class NonFiniteError(FloatingPointError):
@@ -47,6 +47,24 @@ def weights_version(model: nn.Module) -> int:
     of saved tensors, so it needs no hook on the optimizer and catches every writer.
     """
     return sum(p._version for p in model.parameters())
+
+
+def prepare_model(model: nn.Module) -> nn.Module:
+    """Route `model`'s attention through LongStraw (the registered `longstraw` implementation; SDPA or the model's
+    own eager attention when a forward carries no prompt state). Idempotent; the trainer does it for you."""
+    register_attention()
+    model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
+    return model
+
+
+def check_prepared(model: nn.Module) -> None:
+    implementation = model.config.get_text_config()._attn_implementation
+    if implementation != ATTENTION_IMPLEMENTATION:
+        raise UnpreparedModelError(
+            f"The model's attention implementation is {implementation!r}, not LongStraw's {ATTENTION_IMPLEMENTATION!r}: "
+            "its attention would never read the prompt state and every completion would be scored without its prompt. "
+            "Call trl_longstraw.engine.prepare_model(model) (LongStrawGRPOTrainer does it for you)."
+        )
 
 
 @contextlib.contextmanager
@@ -85,20 +103,25 @@ class LongStrawEngine:
     @torch.no_grad()
     def capture(self, model: nn.Module, prompt_ids: torch.Tensor, first_position: int) -> PromptState:
         """Run all but the last of `prompt_ids` (1-D, real tokens only) without autograd and keep their state."""
+        check_prepared(model)
         num_tokens = prompt_ids.numel() - 1
         state = PromptState(
+            plan_layers(model),
             num_tokens=num_tokens,
             start_position=first_position,
             device=self.state_device or self._device(model),
             weights_version=weights_version(model),
             exact=self.prompt_gradient == "exact",
-            indexed=getattr(model.config.get_text_config(), "index_topk", None) is not None,
         )
         for chunk_index, start in enumerate(range(0, num_tokens, self.prefill_chunk_size)):
             end = min(start + self.prefill_chunk_size, num_tokens)
             self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk_index)
-        for index, tensor in enumerate(state.tensors()):
-            ensure_finite(tensor, f"the captured prompt state (tensor {index})")
+        state.check_captured()
+        if not state.all_finite():  # checked as each chunk was written; one device sync here
+            raise NonFiniteError(
+                "Non-finite values (NaN or inf) in the captured prompt state. Check the inputs and the weights (a "
+                "learning rate that is too high, fp16 overflow); lower the learning rate or train in bf16/fp32."
+            )
         return state
 
     def _backbone_forward(self, model, state, mode, token_ids, start, chunk_index) -> StateAccess:

@@ -1,45 +1,98 @@
-"""Durable prompt state of a softmax-attention layer (GQA/MQA, optionally sliding-window): its K/V pages.
+"""Softmax attention (GQA/MQA): K/V pages, with causal, sliding-window or chunked visibility, sinks and soft-capping.
 
 Pages hold the keys and values exactly as the layer hands them to attention (after projection, norm and RoPE), one
-entry per captured prompt token, `[kv_heads, tokens, head_dim]`. A sliding-window layer keeps only the last
-`window - 1` entries, all a later token can read (unless the prompt gradient is exact, which needs every entry).
+entry per captured prompt token, `[kv_heads, tokens, head_dim]`. What a later token can read decides what is kept:
+every entry under causal attention; the last `window - 1` under a sliding window (transformers'
+`DynamicSlidingWindowLayer` keeps the same); the entries of the current chunk under Llama 4's chunked attention. The
+exact prompt gradient keeps every entry (a recompute of chunk c reads the pages before it).
+
+Per-call features come from the model's own attention call: `sliding_window`, `s_aux` (gpt-oss attention sinks: one
+logit per head in every softmax denominator, merged by log-sum-exp so its gradient reaches the parameter) and
+`softcap` (Gemma 2 logit soft-capping, applied to the scores of prefix and suffix alike).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
+from transformers import PretrainedConfig
 
-from ..attention import chunked_attention, merge_by_lse
+from ..attention import Visibility, add_sinks, chunked_attention, merge_by_lse
+from .placement import Pages
+from .registry import LayerAccount, LayerState, UnsupportedModelError, find_child, register_state_kind
+
+ATTENTION_LAYER_TYPES = (None, "full_attention", "sliding_attention", "chunked_attention", "hybrid")
 
 
-def empty_state(like: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """A state buffer on `device`; in pinned host memory when it is the host and the model runs on CUDA, so that
-    staging each chunk to the GPU is an asynchronous copy."""
-    pin = torch.device(device).type == "cpu" and like.device.type == "cuda"
-    return torch.empty(shape, dtype=like.dtype, device=device, pin_memory=pin)
+def is_softmax_attention(module: nn.Module) -> bool:
+    has_query = hasattr(module, "q_proj") or hasattr(module, "qkv_proj") or hasattr(module, "c_attn")
+    return has_query and not hasattr(module, "kv_b_proj") and hasattr(module, "layer_idx")
 
 
-class AttentionPages:
-    """K/V pages of one attention layer. Written only during capture; read-only afterwards."""
+def sliding_window_of(mixer: nn.Module, config: PretrainedConfig, layer_type: str | None) -> int | None:
+    """The layer's window, for the accounting (a capture follows the window the layer passes to attention).
 
-    differentiable = True
+    With layer types, only `"sliding_attention"` layers have one (some models set `sliding_window` on every attention
+    module and pass it only on sliding layers); without, the module's own window or the config's (Mistral applies
+    `config.sliding_window` to every layer)."""
+    if layer_type is not None and layer_type != "sliding_attention":
+        return None
+    window = getattr(mixer, "sliding_window", None)
+    return window if window is not None else getattr(config, "sliding_window", None)
 
-    def __init__(self, capacity: int, start_position: int, device: torch.device, keep_full_window: bool):
-        self.capacity = capacity
-        self.start_position = start_position  # absolute position of page entry 0
-        self.device = device
-        self.keep_full_window = keep_full_window
-        self.key: torch.Tensor | None = None
-        self.value: torch.Tensor | None = None
-        self.length = 0
+
+@register_state_kind
+class AttentionPages(LayerState):
+    """K/V pages of one softmax-attention layer. Written only during capture; read-only afterwards."""
+
+    name = "attention"
+    layer_types = ATTENTION_LAYER_TYPES
+    needs_attention_interface = True
+
+    @classmethod
+    def find_mixer(cls, layer, layer_type):
+        mixer = find_child(layer, is_softmax_attention)
+        if mixer is not None and getattr(mixer, "is_kv_shared_layer", False):
+            raise UnsupportedModelError(
+                f"Layer {mixer.layer_idx} ({type(mixer).__name__}) reuses the K/V of another layer (KV sharing), "
+                "which LongStraw's attention state does not implement."
+            )
+        return mixer
+
+    @classmethod
+    def account(cls, mixer, config, layer_type, dtype_bytes, exact):
+        head_dim = getattr(mixer, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        per_token = 2 * kv_heads * head_dim * dtype_bytes
+        window = sliding_window_of(mixer, config, layer_type)
+        chunk = getattr(config, "attention_chunk_size", None) if layer_type == "chunked_attention" else None
+        if exact or (window is None and chunk is None):
+            return LayerAccount("full_attention", per_token=per_token)
+        if chunk is not None:
+            return LayerAccount("chunked_attention", fixed=per_token * (chunk - 1))
+        return LayerAccount("sliding_attention", fixed=per_token * (window - 1))
+
+    def __init__(self, mixer, layer_idx, layer_type, prompt):
+        super().__init__(mixer, layer_idx, layer_type, prompt)
+        self.chunk_size = None
+        if layer_type == "chunked_attention":
+            self.chunk_size = getattr(mixer.config, "attention_chunk_size", None)
+        self.rolling = None  # decided at the first capture call, from the call's sliding_window
+        self.start_position = prompt.start_position  # absolute position of page entry 0 (moves as a window rolls)
+        self.key: Pages | None = None
+        self.value: Pages | None = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.key, self.value) if t is not None]
+        return [] if self.key is None else self.key.tensors() + self.value.tensors()
 
-    def positions(self, limit: int, device: torch.device) -> torch.Tensor:
-        return torch.arange(self.start_position, self.start_position + limit, device=device)
+    @property
+    def length(self) -> int:
+        return 0 if self.key is None else self.key.length
 
-    def attend(self, access, query, key, value, scaling: float, sliding_window: int | None) -> torch.Tensor:
+    def visibility(self, sliding_window: int | None) -> Visibility:
+        return Visibility(sliding_window, self.chunk_size, self.prompt.start_position)
+
+    def attend(self, access, query, key, value, scaling, sliding_window, sinks=None, softcap=None, **_):
         """Attention of this forward's tokens over the prompt pages and over themselves (causal), LSE-merged.
 
         `query [batch, heads, tokens, d]`, `key/value [batch, kv_heads, tokens, d]` are this forward's own tokens.
@@ -48,71 +101,69 @@ class AttentionPages:
         kv_heads = key.shape[1]
         q_positions = access.query_positions
         chunk = access.attention_chunk_size
+        visibility = self.visibility(sliding_window)
         # Each batch row has its own suffix keys: fold the batch into the heads so rows never see each other.
-        own_out, own_lse = chunked_attention(
+        out, lse = chunked_attention(
             query.reshape(1, batch * heads, tokens, dim),
             key.reshape(batch * kv_heads, tokens, dim),
             value.reshape(batch * kv_heads, tokens, value.shape[-1]),
             q_positions,
             q_positions,
             scaling,
-            sliding_window,
+            visibility,
             chunk,
+            softcap=softcap,
         )
-        own_out = own_out.view(batch, heads, tokens, -1)
-        own_lse = own_lse.view(batch, heads, tokens)
-        # Pages hold every captured token (or, sliding window, the last ones): all are visible except while the exact
-        # recompute of a chunk reads only the pages before it.
+        out = out.view(batch, heads, tokens, -1)
+        lse = lse.view(batch, heads, tokens)
+        # Pages hold every captured token (or the ones a window/chunk still sees): all are readable except while the
+        # exact recompute of a chunk reads only the pages before it.
         limit = access.prefix_length if access.mode == "recompute" else self.length
         if limit > 0:
             prefix_out, prefix_lse = chunked_attention(
                 query,
-                self.key[:, :limit],
-                self.value[:, :limit],
+                self.key.read(limit),
+                self.value.read(limit),
                 q_positions,
-                self.positions(limit, query.device),
+                torch.arange(self.start_position, self.start_position + limit, device=query.device),
                 scaling,
-                sliding_window,
+                visibility,
                 chunk,
+                softcap=softcap,
             )
-            out = merge_by_lse(prefix_out, prefix_lse, own_out, own_lse)
-        else:
-            out = own_out
+            out, lse = merge_by_lse(prefix_out, prefix_lse, out, lse)
+        if sinks is not None:
+            out = add_sinks(out, lse, sinks)
         if access.mode == "capture":
-            self._append(key[0], value[0], sliding_window)
+            self._append(key[0], value[0], visibility)
         elif access.mode == "recompute":
             access.recorded[self] = (key[0], value[0])
         return out
 
-    @torch.no_grad()
-    def _append(self, key: torch.Tensor, value: torch.Tensor, sliding_window: int | None) -> None:
-        key = key.to(self.device)
-        value = value.to(self.device)
-        if sliding_window is not None and not self.keep_full_window:
-            keep = sliding_window - 1
-            if self.key is None:
-                self.key, self.value = key[:, -keep:].clone(), value[:, -keep:].clone()
-            else:
-                self.key = torch.cat([self.key, key], dim=1)[:, -keep:].clone()
-                self.value = torch.cat([self.value, value], dim=1)[:, -keep:].clone()
-            dropped = self.length + key.shape[1] - self.key.shape[1]
-            self.start_position += dropped
-            self.length = self.key.shape[1]
-            return
-        if self.key is None:
-            self.key = empty_state(key, (key.shape[0], self.capacity, key.shape[-1]), self.device)
-            self.value = empty_state(value, (value.shape[0], self.capacity, value.shape[-1]), self.device)
-        end = self.length + key.shape[1]
-        self.key[:, self.length : end] = key
-        self.value[:, self.length : end] = value
-        self.length = end
+    def _keep_from(self, visibility: Visibility, appended: int) -> int:
+        """Index (after appending `appended` entries) of the first entry a later token can still read."""
+        next_position = self.start_position + self.length + appended
+        first_needed = next_position - (visibility.sliding_window - 1) if visibility.sliding_window else None
+        if visibility.chunk_size is not None:
+            origin, size = visibility.chunk_origin, visibility.chunk_size
+            chunk_start = origin + (next_position - origin) // size * size
+            first_needed = chunk_start if first_needed is None else max(first_needed, chunk_start)
+        return max(0, first_needed - self.start_position)
 
-    def recompute_pairs(
-        self, recorded, chunk_index: int, start: int, end: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(recomputed K or V of pages [start, end), their accumulated gradient) for the exact prompt backward."""
+    @torch.no_grad()
+    def _append(self, key: torch.Tensor, value: torch.Tensor, visibility: Visibility) -> None:
+        if self.key is None:
+            self.rolling = visibility.windowed() and not self.prompt.exact
+            capacity = None if self.rolling else self.prompt.num_tokens
+            self.key = Pages(self.prompt.placement, capacity)
+            self.value = Pages(self.prompt.placement, capacity)
+        keep_from = self._keep_from(visibility, key.shape[1]) if self.rolling else 0
+        self.key.append(key, keep_from)
+        self.start_position += self.value.append(value, keep_from)
+
+    def recompute_pairs(self, recorded, chunk_index, start, end):
         pairs = []
-        for recomputed, leaf in zip(recorded, (self.key, self.value), strict=True):
+        for recomputed, leaf in zip(recorded, self.tensors(), strict=True):
             if leaf.grad is not None:
                 pairs.append((recomputed, leaf.grad[:, start:end].to(recomputed.device, recomputed.dtype, copy=True)))
         return pairs

@@ -1,4 +1,4 @@
-"""Durable prompt state of a multi-head latent attention (MLA) layer, and of its DSA indexer.
+"""Multi-head latent attention (MLA: DeepSeek-V3, DeepSeek-V3.2, GLM-5): the latent pages.
 
 MLA caches, per token, the compressed latent (`kv_lora_rank`, after `kv_a_layernorm`) and the shared rope key
 (`qk_rope_head_dim`): 576 values per token on GLM-5, instead of per-head K/V. LongStraw keeps exactly that, as one
@@ -11,20 +11,25 @@ MLA caches, per token, the compressed latent (`kv_lora_rank`, after `kv_a_layern
 so the prefix is read as multi-query attention over `[c_j, k_rope_j]` (values `c_j`, a view of the same page):
 no per-token projection of the prefix at all, and only the replayed tokens touch `kv_b_proj`. The absorbed weights
 are obtained by running `kv_b_proj` on the identity, which works unchanged for LoRA and 4-bit base layers and keeps
-their gradients.
+their gradients. The layer hands its latent to the cache (`Cache.update(latent, rope_key)`) before expanding it;
+[`StateAccess`] keeps it for this kind.
 
-DSA: index-computing layers keep their indexer keys (`index_head_dim` per token, no gradient: transformers' indexer
-runs under `no_grad`); IndexShare layers reuse the previous computing layer's selection, which the model itself
-passes between layers. The selection reaches attention as `indices [batch, tokens, top_k]` over absolute key
-positions and is applied to both the prefix and the replayed tokens.
+With DSA (`deepseek_v32`, `glm_moe_dsa`) the top-k selection reaches attention as `indices [batch, tokens, top_k]`
+over absolute key positions and is applied to both the prefix and the replayed tokens; the indexer's own keys are
+the `dsa_indexer` kind (`dsa.py`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..attention import chunked_attention, merge_by_lse
-from .attention import empty_state
+from ..attention import CAUSAL, chunked_attention, merge_by_lse
+from .placement import Pages
+from .registry import LayerAccount, LayerState, find_child, register_state_kind
+
+
+def is_multi_head_latent_attention(module) -> bool:
+    return hasattr(module, "kv_a_proj_with_mqa") and hasattr(module, "kv_b_proj") and hasattr(module, "kv_lora_rank")
 
 
 def absorbed_weights(module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,24 +57,33 @@ def topk_selection(indices: torch.Tensor, offset: int):
     return selected
 
 
-class LatentPages:
+@register_state_kind
+class LatentPages(LayerState):
     """`[1, tokens, kv_lora_rank + qk_rope_head_dim]` latent pages of one MLA layer. Read-only after capture."""
 
-    differentiable = True
+    name = "mla_latent"
+    layer_types = (None, "full_attention", "sliding_attention", "indexed_attention")
+    needs_attention_interface = True
 
-    def __init__(self, capacity: int, start_position: int, device: torch.device):
-        self.capacity = capacity
-        self.start_position = start_position
-        self.device = device
-        self.pages: torch.Tensor | None = None
-        self.length = 0
+    @classmethod
+    def find_mixer(cls, layer, layer_type):
+        return find_child(layer, is_multi_head_latent_attention)
+
+    @classmethod
+    def account(cls, mixer, config, layer_type, dtype_bytes, exact):
+        return LayerAccount("mla_latent", per_token=(mixer.kv_lora_rank + mixer.qk_rope_head_dim) * dtype_bytes)
+
+    def __init__(self, mixer, layer_idx, layer_type, prompt):
+        super().__init__(mixer, layer_idx, layer_type, prompt)
+        self.pages = Pages(prompt.placement, prompt.num_tokens)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [] if self.pages is None else [self.pages]
+        return self.pages.tensors()
 
-    def attend(self, access, module, query, scaling: float, indices: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, access, query, key, value, scaling, indices=None, **_):
         """Absorbed MLA of this forward's tokens over the latent pages and over themselves, LSE-merged."""
-        latent, rope_key = access.cache_inputs[module.layer_idx]  # [batch, 1, tokens, rank], [batch, 1, tokens, rope]
+        module = self.mixer
+        latent, rope_key = access.cache_inputs[self.layer_idx]  # [batch, 1, tokens, rank], [batch, 1, tokens, rope]
         own_keys = torch.cat([latent, rope_key], dim=-1)[:, 0]  # [batch, tokens, rank + rope]
         rank = module.kv_lora_rank
         w_uk, w_uv = absorbed_weights(module)
@@ -86,7 +100,7 @@ class LatentPages:
                 positions,
                 positions,
                 scaling,
-                None,
+                CAUSAL,
                 access.attention_chunk_size,
                 None if own_selected is None else (lambda s, e, b=b: own_selected(s, e)[b : b + 1]),
             )
@@ -94,67 +108,28 @@ class LatentPages:
         ]
         out = torch.cat([o for o, _ in own])
         lse = torch.cat([lse for _, lse in own])
-        if prefix > 0:
-            pages = self.pages[:, :prefix]
+        pages = self.pages.read(prefix)
+        if prefix > 0 and pages is not None:
             prefix_out, prefix_lse = chunked_attention(
                 absorbed,
                 pages,
                 pages[..., :rank],
                 positions,
-                torch.arange(self.start_position, self.start_position + prefix, device=query.device),
+                torch.arange(self.prompt.start_position, self.prompt.start_position + prefix, device=query.device),
                 scaling,
-                None,
+                CAUSAL,
                 access.attention_chunk_size,
                 None if indices is None else topk_selection(indices, 0),
             )
-            out = merge_by_lse(prefix_out, prefix_lse, out, lse)
+            out, lse = merge_by_lse(prefix_out, prefix_lse, out, lse)
         if access.mode == "capture":
-            self._append(own_keys[0])
+            self.pages.append(own_keys[:1])
         elif access.mode == "recompute":
             access.recorded[self] = own_keys[0]
         return torch.einsum("bhtk,khv->bhtv", out, w_uv.to(out.dtype))
 
-    @torch.no_grad()
-    def _append(self, keys: torch.Tensor) -> None:
-        if self.pages is None:
-            self.pages = empty_state(keys, (1, self.capacity, keys.shape[-1]), self.device)
-        end = self.length + keys.shape[0]
-        self.pages[0, self.length : end] = keys.to(self.device)
-        self.length = end
-
-    def recompute_pairs(self, recorded, chunk_index: int, start: int, end: int):
-        if self.pages.grad is None:
+    def recompute_pairs(self, recorded, chunk_index, start, end):
+        leaf = self.pages.data
+        if leaf is None or leaf.grad is None:
             return []
-        return [(recorded, self.pages.grad[0, start:end].to(recorded.device, recorded.dtype, copy=True))]
-
-
-class IndexerKeys:
-    """`[1, tokens, index_head_dim]` DSA indexer keys of one index-computing layer (no gradient flows through them)."""
-
-    differentiable = False
-
-    def __init__(self, capacity: int, device: torch.device):
-        self.capacity = capacity
-        self.device = device
-        self.keys: torch.Tensor | None = None
-        self.length = 0
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [] if self.keys is None else [self.keys]
-
-    @torch.no_grad()
-    def extend(self, access, keys: torch.Tensor) -> torch.Tensor:
-        """The indexer's keys for this forward: the prompt's, then this forward's own `keys [batch, tokens, dim]`.
-
-        During capture this forward's keys are written into the pages and a view is returned (no copy); a replay
-        gets a transient concatenation, since members of a batch differ after the prompt.
-        """
-        if access.mode == "capture":
-            if self.keys is None:
-                self.keys = empty_state(keys, (1, self.capacity, keys.shape[-1]), self.device)
-            end = self.length + keys.shape[1]
-            self.keys[:, self.length : end] = keys.to(self.device)
-            self.length = end
-            return self.keys[:, :end].to(keys.device)
-        prefix = self.keys[:, : access.prefix_length].to(keys.device)
-        return torch.cat([prefix.expand(keys.shape[0], -1, -1), keys], dim=1)
+        return [(recorded, leaf.grad[0, start:end].to(recorded.device, recorded.dtype, copy=True))]

@@ -1,0 +1,96 @@
+"""The references LongStraw's update is compared with: stock `GRPOTrainer`, and the detached reference.
+
+The detached reference is the straightforward way to hold the prompt constant: the prompt is cached by transformers'
+own cache under `no_grad`, and each completion is replayed under autograd on a deep copy of that cache.
+"""
+
+import copy
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionLayer
+from trl import GRPOTrainer
+
+from trl_longstraw import LongStrawGRPOTrainer
+
+from .conftest import add_old_and_ref_logps, grads_of, make_trainer, synthetic_inputs
+
+LOSS_TYPES = ["grpo", "dapo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
+
+
+class OutOfPlaceLinearAttentionLayer(LinearAttentionLayer):
+    """HF's recurrent cache layer, except that the recurrent state is replaced instead of `copy_`-ed into: HF's
+    in-place update would overwrite the tensor the replay's graph reads (autograd refuses that)."""
+
+    def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
+        self.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+
+
+def replayable_copy(cache):
+    replay_cache = copy.deepcopy(cache)
+    for layer in replay_cache.layers:
+        if isinstance(layer, LinearAttentionLayer):
+            layer.__class__ = OutOfPlaceLinearAttentionLayer
+    return replay_cache
+
+
+class DetachedReferenceTrainer(GRPOTrainer):
+    """Prompt cached by HF under no_grad, each completion replayed on a deep copy of the cache."""
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
+        rows_logps, rows_entropies = [], []
+        for ids, mask in zip(input_ids, attention_mask, strict=True):
+            prompt_mask = mask[:-logits_to_keep].bool()
+            first = int((~prompt_mask).sum())
+            prompt = ids[:-logits_to_keep][prompt_mask]
+            completion = ids[-logits_to_keep:]
+            length = int(mask[-logits_to_keep:].sum())
+            positions = torch.arange(first, first + prompt.numel() + logits_to_keep)
+            cache = DynamicCache(config=model.config)
+            with torch.no_grad():
+                model.model(
+                    input_ids=prompt[None, :-1],
+                    position_ids=positions[None, : prompt.numel() - 1],
+                    cache=cache,
+                    use_cache=True,
+                )
+            replay = torch.cat([prompt[-1:], completion[:-1]])
+            labels = completion.masked_fill(torch.arange(logits_to_keep) >= length, -100)
+            out = model(
+                input_ids=replay[None],
+                position_ids=positions[None, prompt.numel() - 1 : -1],
+                cache=replayable_copy(cache),
+                shift_labels=labels[None],
+                fused_lm_head=True,
+            )
+            rows_logps.append(out.log_probs[0])
+            rows_entropies.append(out.entropy[0])
+        return torch.stack(rows_logps), torch.stack(rows_entropies), None
+
+
+def run_pair(
+    reference_class, fresh_model, tokenizer, prompt_dataset, tmp_path, dtype=torch.float32, model_type="qwen3", **args
+):
+    """The reference's loss and gradients and LongStraw's `replay_and_backward`'s, on one synthetic batch."""
+    model = fresh_model(model_type=model_type, dtype=dtype)
+    reference = make_trainer(
+        reference_class, copy.deepcopy(model), tokenizer, prompt_dataset, tmp_path / "ref", **args
+    )
+    ours = make_trainer(
+        LongStrawGRPOTrainer,
+        copy.deepcopy(model),
+        tokenizer,
+        prompt_dataset,
+        tmp_path / "ours",
+        prefill_chunk_size=4,
+        attention_chunk_size=3,
+        **args,
+    )
+    inputs = add_old_and_ref_logps(reference, synthetic_inputs(len(tokenizer)))
+    if dtype == torch.float64:
+        inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    ref_loss = reference.compute_loss(reference.model, inputs)
+    ref_loss.backward()
+    loss = ours.replay_and_backward(ours.model, inputs)
+    return ref_loss.detach(), loss, grads_of(reference.model), grads_of(ours.model)

@@ -1,0 +1,146 @@
+"""Every family of the support table through the verification ladder, both gradient modes (tiny configs, fp32).
+
+Level 2: completion log-probs from capture + replay equal one full forward of prompt + completion under the model's
+own eager attention (which implements sinks and soft-capping), at several capture/attention chunkings.
+Level 6: replays reproduce the scores and leave the captured state bitwise unchanged.
+Levels 3 and 4: `replay_and_backward` against stock `GRPOTrainer.compute_loss().backward()` (exact mode) and against
+the detached reference (detach mode): same loss, same gradients.
+"""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from trl import GRPOTrainer
+from trl.trainer.utils import add_fused_lm_head
+
+from trl_longstraw.embedded import FAMILIES, build_model
+from trl_longstraw.engine import LongStrawEngine, prepare_model
+from trl_longstraw.state import ConvRecurrentState
+
+from .conftest import max_relative_error
+from .reference import DetachedReferenceTrainer, run_pair
+
+# Recurrent families: the gradients of A_log / dt_bias (and Mamba's D) are tiny sums with heavy cancellation, which
+# two exact orderings of the same math disagree on far above rounding: compare them against 1e-3 of the global norm.
+RECURRENT = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h"}
+DSA = {"deepseek_v32", "glm_moe_dsa"}
+
+
+def with_fused_head(model):
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    return model
+
+
+def eager_and_prepared(family, **overrides):
+    model = build_model(family, **overrides)
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    return with_fused_head(eager), with_fused_head(prepare_model(model))
+
+
+def full_forward(model, prompt, completions, lengths, offset):
+    """Stock path: one forward of prompt + completion per member, log-probs of the completion tokens."""
+    rows = []
+    for completion, length in zip(completions, lengths, strict=True):
+        ids = torch.cat([prompt, completion])[None]
+        labels = ids.clone()
+        labels[:, : prompt.numel()] = -100
+        labels[:, prompt.numel() + int(length) :] = -100
+        positions = torch.arange(offset, offset + ids.shape[1])[None]
+        out = model(input_ids=ids, position_ids=positions, labels=labels, fused_lm_head=True)
+        rows.append(out.log_probs[0, -completions.shape[1] :])
+    return torch.stack(rows)
+
+
+def case(seed=0, prompt_length=29, completion_width=7, vocab=100):
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(2, vocab, (prompt_length,), generator=generator)
+    completions = torch.randint(2, vocab, (3, completion_width), generator=generator)
+    return prompt, completions, torch.tensor([completion_width, 3, 5])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("prefill_chunk, attention_chunk", [(1000, 1000), (4, 3)])
+def test_level2_scores_equal_a_full_eager_forward(family, prefill_chunk, attention_chunk):
+    eager, model = eager_and_prepared(family)
+    prompt, completions, lengths = case()
+    engine = LongStrawEngine(prefill_chunk, attention_chunk)
+    with torch.no_grad():
+        want = full_forward(eager, prompt, completions, lengths, offset=5)
+        state = engine.capture(model, prompt, first_position=5)
+        logps, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=2)
+    assert (logps - want).abs().max() <= 1e-5
+    assert torch.all(logps[1, 3:] == 0) and torch.all(logps[2, 5:] == 0)
+
+
+@pytest.mark.parametrize("family", sorted(DSA))
+def test_level2_sparse_dsa_selection(family):
+    # top-12 of up to 36 keys; 32 index heads so that no key scores exactly 0 (ReLU) and no tie sits at the boundary.
+    eager, model = eager_and_prepared(family, index_topk=12, index_n_heads=32)
+    prompt, completions, lengths = case()
+    engine = LongStrawEngine(7, 5)
+    with torch.no_grad():
+        want = full_forward(eager, prompt, completions, lengths, offset=0)
+        logps, _ = engine.score(model, engine.capture(model, prompt, 0), prompt[-1:], completions, lengths, 1)
+    assert (logps - want).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("prompt_gradient", ["detach", "exact"])
+def test_level6_replay_reproduces_scores_and_leaves_the_state_unchanged(family, prompt_gradient):
+    model = with_fused_head(prepare_model(build_model(family)))
+    prompt, completions, lengths = case()
+    engine = LongStrawEngine(8, 5, prompt_gradient=prompt_gradient)
+    state = engine.capture(model, prompt, first_position=0)
+    if prompt_gradient == "exact":
+        state.requires_grad_()
+    before = [t.detach().clone() for t in state.tensors()]
+    scored, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
+    for member in range(3):
+        logps, entropies = engine.replay(model, state, prompt[-1:], completions[member], int(lengths[member]))
+        (logps.sum() + entropies.sum()).backward()
+        assert torch.allclose(logps.detach(), scored[member, : int(lengths[member])], atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(before, state.tensors(), strict=True))
+    if prompt_gradient == "exact":  # every state the replays read received its gradient
+        for layer in state.layers:
+            if isinstance(layer, ConvRecurrentState):
+                read = [layer.conv[-1], layer.recurrent[-1]]
+            else:
+                read = layer.tensors() if layer.differentiable else []
+            assert all(t.grad is not None and t.grad.abs().sum() > 0 for t in read), (layer.layer_idx, type(layer))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize(
+    "prompt_gradient, reference_class",
+    [("exact", GRPOTrainer), ("detach", DetachedReferenceTrainer)],
+    ids=["exact-vs-stock", "detach-vs-detached-reference"],
+)
+def test_levels3_4_loss_and_gradients_match_the_reference(
+    family, prompt_gradient, reference_class, fresh_model, tokenizer, prompt_dataset, tmp_path
+):
+    ref_loss, loss, ref_grads, grads = run_pair(
+        reference_class,
+        fresh_model,
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        model_type=family,
+        loss_type="dapo",
+        beta=0.04,
+        prompt_gradient=prompt_gradient,
+    )
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
+    floor = 1e-3 if family in RECURRENT else 0.0
+    assert max_relative_error(grads, ref_grads, floor_fraction=floor) <= 1e-4
+
+
+def test_reference_models_load_with_an_attention_that_implements_their_features(tmp_path):
+    """Stock's side of levels 3/4 must be right too: SDPA has no sinks or soft-capping, so those families' default
+    attention (what from_pretrained picks, what stock GRPOTrainer runs) must be eager."""
+    for family in ("gpt_oss", "gemma2"):
+        build_model(family).save_pretrained(tmp_path / family)
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / family)
+        assert loaded.config._attn_implementation == "eager", family

@@ -1,0 +1,196 @@
+"""One group's captured prompt state, and the per-forward access through which a model reaches it.
+
+[`PromptState`] holds one [`LayerState`] per (decoder layer, state kind) of the model's layer plan, stamped with the
+weights it was computed under. A forward reaches it through a [`StateAccess`], which is both the `longstraw_state=`
+kwarg read by the registered attention function and a transformers `Cache` read by the model's layers: reads hand out
+the snapshot, continuations are computed out of place, nothing is concatenated onto the prompt's pages.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from transformers.cache_utils import Cache
+
+from .dsa import IndexerKeys
+from .placement import Placement
+from .recurrent import ConvRecurrentState
+from .registry import LayerPlan, LayerState, PromptGeometry
+
+
+class StaleStateError(RuntimeError):
+    """A prompt state was read after the weights it was computed under changed."""
+
+
+class UnpreparedModelError(RuntimeError):
+    """The model's layers did not reach LongStraw's state during a capture (wrong attention implementation, or a
+    mixer whose forward bypasses the Cache API / AttentionInterface)."""
+
+
+class PromptState:
+    """The durable state of one group's prompt, captured once and read by every member's replay.
+
+    `num_tokens` prompt tokens were captured (all but the last prompt token, which starts every replay), at absolute
+    positions `start_position ... start_position + num_tokens - 1`.
+    """
+
+    def __init__(
+        self,
+        plans: list[LayerPlan],
+        num_tokens: int,
+        start_position: int,
+        device: torch.device,
+        weights_version: int,
+        exact: bool,
+    ):
+        self.geometry = PromptGeometry(num_tokens, start_position, Placement(device), exact)
+        self.weights_version = weights_version
+        self.layers: list[LayerState] = [
+            kind(mixer, plan.layer_idx, plan.layer_type, self.geometry) for plan in plans for kind, mixer in plan.kinds
+        ]
+        self._by_mixer = {id(layer.mixer): layer for layer in self.layers}
+        self.extends_masks = any(type(layer).extends_masks for layer in self.layers)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.geometry.num_tokens
+
+    @property
+    def start_position(self) -> int:
+        return self.geometry.start_position
+
+    @property
+    def exact(self) -> bool:
+        return self.geometry.exact
+
+    def for_mixer(self, module: torch.nn.Module) -> LayerState:
+        layer = self._by_mixer.get(id(module))
+        if layer is None:
+            raise UnpreparedModelError(
+                f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) called LongStraw's attention but "
+                "is not in the layer plan this state was captured with: capture and replay must use the same model."
+            )
+        return layer
+
+    def of_layer(self, layer_idx: int, kind: type[LayerState]) -> LayerState:
+        for layer in self.layers:
+            if layer.layer_idx == layer_idx and isinstance(layer, kind):
+                return layer
+        raise UnpreparedModelError(
+            f"Layer {layer_idx} asked for a {kind.__name__} state, which its layer plan does not have: the model's "
+            "layer types and its modules disagree."
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [tensor for layer in self.layers for tensor in layer.tensors()]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def all_finite(self) -> bool:
+        return self.geometry.placement.all_finite()
+
+    def check_captured(self) -> None:
+        """The prepared-model guard: after a capture of at least one token, every layer state must hold something."""
+        if self.num_tokens == 0:
+            return
+        missing = [layer for layer in self.layers if not layer.captured()]
+        if missing:
+            names = ", ".join(f"layer {m.layer_idx} {type(m).name} ({type(m.mixer).__name__})" for m in missing[:6])
+            raise UnpreparedModelError(
+                f"The capture left no prompt state for {names}: their forward did not reach LongStraw (an attention "
+                "implementation other than 'longstraw', or a mixer that bypasses transformers' AttentionInterface / "
+                "Cache API). Scoring would silently ignore the prompt. Use LongStrawGRPOTrainer, which prepares the "
+                "model, or call trl_longstraw.engine.prepare_model(model)."
+            )
+
+    def check_fresh(self, weights_version: int) -> None:
+        if weights_version != self.weights_version:
+            raise StaleStateError(
+                f"The prompt state was captured under weights version {self.weights_version} but the weights are now "
+                f"at version {weights_version}: replaying it would mix two models. Capture the prompt again after "
+                "every optimizer step (LongStrawGRPOTrainer does this for you)."
+            )
+
+    def requires_grad_(self) -> PromptState:
+        """Exact mode: make the differentiable state leaves of autograd, to accumulate the members' gradients."""
+        for layer in self.layers:
+            if layer.differentiable:
+                for tensor in layer.tensors():
+                    tensor.requires_grad_(True)
+        return self
+
+
+class StateAccess(Cache):
+    """What one forward carries to reach the prompt state: the `longstraw_state=` kwarg and the `cache=`.
+
+    `mode`: "capture" appends this forward's state (a chunk starting after `prefix_length` captured tokens); "read"
+    only reads the final state (scoring and replay); "recompute" (exact prompt gradient, chunk `chunk_index` starting
+    after `prefix_length` tokens) reads the state before the chunk and records this forward's state, with its graph,
+    in `recorded`.
+
+    As a `Cache` it stores nothing itself: `update` hands the layer's K/V (or MLA latents) back unchanged, keeping
+    them for the registered attention function; recurrent layers get their snapshot states; DSA indexers get the
+    prompt's indexer keys followed by their own.
+    """
+
+    def __init__(
+        self,
+        state: PromptState,
+        mode: Literal["capture", "read", "recompute"],
+        query_positions: torch.Tensor,
+        attention_chunk_size: int,
+        prefix_length: int,
+        batch_size: int = 1,
+        chunk_index: int = 0,
+    ):
+        super().__init__(layers=[])
+        self.state = state
+        self.mode = mode
+        self.query_positions = query_positions
+        self.attention_chunk_size = attention_chunk_size
+        self.prefix_length = prefix_length
+        self.forward_batch_size = batch_size
+        self.chunk_index = chunk_index
+        self.recorded: dict[LayerState, object] = {}
+        self.cache_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- attention-like mixers (through the registered attention function) -------------------------------------------
+    def attend(self, module, query, key, value, **features) -> torch.Tensor:
+        return self.state.for_mixer(module).attend(self, query, key, value, **features)
+
+    # -- Cache API: attention layers --------------------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.cache_inputs[layer_idx] = (key_states, value_states)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.prefix_length if self.state.extends_masks else 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return query_length + self.get_seq_length(layer_idx), 0
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        return self.state.of_layer(layer_idx, IndexerKeys).extend(self, indexer_key_states)
+
+    # -- Cache API: recurrent layers (GatedDeltaNet, Mamba2) -----------------------------------------------------------
+    def _recurrent(self, layer_idx: int) -> ConvRecurrentState:
+        return self.state.of_layer(layer_idx, ConvRecurrentState)
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        # Never take the single-token decode path: it updates the conv state in place.
+        return True
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._recurrent(layer_idx).conv_state(self)
+
+    def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, conv_kernel_size=None, **kwargs):
+        return self._recurrent(layer_idx).continue_conv(self, conv_states, conv_kernel_size)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        return self._recurrent(layer_idx).recurrent_state(self, self.forward_batch_size)
+
+    def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
+        self._recurrent(layer_idx).finish_recurrent(self, recurrent_states)
+        return recurrent_states

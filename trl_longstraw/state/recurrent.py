@@ -1,0 +1,82 @@
+"""The shared mechanics of recurrent token mixers (GatedDeltaNet, Mamba2): a conv state and a recurrent state.
+
+Both have a size independent of the prompt length: the causal conv needs the last `kernel - 1` inputs
+(`[conv_dim, kernel - 1]`), the recurrence its state. transformers' cache layers update them in place (`copy_`),
+which would both corrupt a snapshot shared by replays and break autograd; here every read returns the snapshot and
+every continuation is computed out of place from it, through the Cache API these mixers already call
+(`get/update_conv_state`, `get/update_recurrent_state`).
+
+With the exact prompt gradient the state at every capture-chunk boundary is kept (a few KiB-MiB each): the reverse
+recompute of chunk c starts from boundary c - 1 and back-propagates into it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .registry import LayerState
+
+FP32_BYTES = 4
+
+
+class ConvRecurrentState(LayerState):
+    """Conv and recurrent state of one recurrent layer after the captured prompt (and, exact mode, per chunk).
+
+    Subclasses only recognise their mixer and account for it.
+    """
+
+    def __init__(self, mixer, layer_idx, layer_type, prompt):
+        super().__init__(mixer, layer_idx, layer_type, prompt)
+        self.conv: list[torch.Tensor] = []  # [1, conv_dim, kernel - 1] after each capture chunk (or only the last)
+        self.recurrent: list[torch.Tensor] = []  # [1, heads, ...] likewise
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.conv + self.recurrent
+
+    def _before(self, states: list[torch.Tensor], access) -> torch.Tensor | None:
+        if access.mode == "capture":
+            return states[-1] if states else None
+        index = len(states) - 1 if access.mode == "read" else access.chunk_index - 1
+        if index < 0:
+            return None
+        return self.prompt.placement.stage(states[index], access.query_positions.device)
+
+    def conv_state(self, access) -> torch.Tensor | None:
+        return self._before(self.conv, access)
+
+    def recurrent_state(self, access, batch_size: int) -> torch.Tensor | None:
+        state = self._before(self.recurrent, access)
+        return None if state is None else state.expand(batch_size, *state.shape[1:])
+
+    def continue_conv(self, access, inputs: torch.Tensor, kernel_size: int) -> torch.Tensor:
+        """`inputs [batch, conv_dim, T]` preceded by the conv state (out of place); records the new state."""
+        previous = self._before(self.conv, access)
+        full = inputs if previous is None else torch.cat([previous.expand(inputs.shape[0], -1, -1), inputs], dim=-1)
+        if access.mode != "read":
+            tail = full[..., -(kernel_size - 1) :]
+            if tail.shape[-1] < kernel_size - 1:  # a prompt shorter than the kernel: zeros are the conv's own padding
+                tail = F.pad(tail, (kernel_size - 1 - tail.shape[-1], 0))
+            self._record(self.conv, access, tail, slot=0)
+        return full
+
+    def finish_recurrent(self, access, state: torch.Tensor) -> None:
+        if access.mode != "read":
+            self._record(self.recurrent, access, state, slot=1)
+
+    def _record(self, states: list[torch.Tensor], access, value: torch.Tensor, slot: int) -> None:
+        if access.mode == "recompute":
+            access.recorded.setdefault(self, [None, None])[slot] = value
+            return
+        value = self.prompt.placement.store(value)
+        if self.prompt.exact or not states:
+            states.append(value)
+        else:
+            states[-1] = value
+
+    def recompute_pairs(self, recorded, chunk_index, start, end):
+        pairs = []
+        for recomputed, leaf in zip(recorded, (self.conv[chunk_index], self.recurrent[chunk_index]), strict=True):
+            if recomputed is not None and leaf.grad is not None:
+                pairs.append((recomputed, leaf.grad.to(recomputed.device, recomputed.dtype, copy=True)))
+        return pairs
