@@ -19,7 +19,7 @@ import time
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from trl_longstraw.attention import chunked_attention, merge_by_lse
+from trl_longstraw.attention import CAUSAL, chunked_attention, merge_by_lse
 
 HEADS, RANK, ROPE, NOPE, VDIM, CHUNK = 16, 512, 64, 128, 128, 2048
 
@@ -28,7 +28,7 @@ def absorbed(q_nope, q_rope, pages, kv_b, positions, page_positions):
     w = kv_b.weight.t().view(RANK, HEADS, NOPE + VDIM)
     w_uk, w_uv = w[..., :NOPE], w[..., NOPE:]
     q = torch.cat([torch.einsum("bhtn,khn->bhtk", q_nope, w_uk), q_rope], dim=-1)
-    out, _ = chunked_attention(q, pages, pages[..., :RANK], positions, page_positions, 0.1, None, CHUNK)
+    out, _ = chunked_attention(q, pages, pages[..., :RANK], positions, page_positions, 0.1, CAUSAL, CHUNK)
     return torch.einsum("bhtk,khv->bhtv", out, w_uv)
 
 
@@ -39,18 +39,14 @@ def reprojected(q_nope, q_rope, pages, kv_b, positions, page_positions):
         kv = kv_b(latent).view(-1, HEADS, NOPE + VDIM).transpose(0, 1)
         keys = torch.cat([kv[..., :NOPE], rope.expand(HEADS, -1, -1)], dim=-1)
         return chunked_attention(
-            q, keys, kv[..., NOPE:], positions, page_positions[: latent.shape[0]], 0.1, None, CHUNK
+            q, keys, kv[..., NOPE:], positions, page_positions[: latent.shape[0]], 0.1, CAUSAL, CHUNK
         )
 
     out = lse = None
     for start in range(0, pages.shape[1], CHUNK):
         latent, rope = pages[0, start : start + CHUNK, :RANK], pages[:, start : start + CHUNK, RANK:]
         part_out, part_lse = checkpoint(chunk_attention, q, latent, rope, use_reentrant=False)
-        out, lse = (
-            (part_out, part_lse)
-            if out is None
-            else (merge_by_lse(out, lse, part_out, part_lse), torch.logaddexp(lse, part_lse))
-        )
+        out, lse = (part_out, part_lse) if out is None else merge_by_lse(out, lse, part_out, part_lse)
     return out
 
 

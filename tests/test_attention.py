@@ -1,83 +1,148 @@
-"""The prefix-suffix attention: chunked online softmax, its recomputing backward, and the LSE merge."""
+"""The prefix-suffix attention: blocks merged by log-sum-exp as one softmax, its backward from the global output and
+log-sum-exp, the fused CPU kernels against plain torch, visibility, soft-capping and sinks."""
 
 import pytest
 import torch
 
 from trl_longstraw import attention
-from trl_longstraw.attention import CAUSAL, ChunkedAttention, Visibility, add_sinks, chunked_attention, merge_by_lse
+from trl_longstraw.attention import CAUSAL, KeyBlock, Visibility, attention_over_blocks, merge_by_lse
 
 VISIBILITIES = {
     "causal": CAUSAL,
     "window": Visibility(sliding_window=5),
     "chunked": Visibility(chunk_size=4, chunk_origin=3),
 }
+BATCH, HEADS, KV_HEADS, TOKENS, PREFIX, DIM = 2, 4, 2, 5, 9, 8
 
 
-def reference_attention(q, k, v, q_positions, k_positions, scaling, visibility=CAUSAL, softcap=None):
-    """Plain softmax attention with repeated kv heads, masked by absolute position."""
-    groups = q.shape[1] // k.shape[0]
-    keys, values = k.repeat_interleave(groups, 0)[None], v.repeat_interleave(groups, 0)[None]
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    visible = k_positions[None, :] <= q_positions[:, None]
-    if visibility.sliding_window is not None:
-        visible &= (q_positions[:, None] - k_positions[None, :]) < visibility.sliding_window
-    if visibility.chunk_size is not None:
-        origin = visibility.chunk_origin
-        visible &= (k_positions[None, :] - origin) // visibility.chunk_size == (
-            q_positions[:, None] - origin
-        ) // visibility.chunk_size
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.matmul(torch.softmax(scores, -1), values), torch.logsumexp(scores, -1)
+def inputs(dtype, seed=0, value_dim=DIM):
+    """Queries at positions 9..13 over 9 shared prompt keys (positions 0..8) and their own 5 keys per batch row."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype).requires_grad_(True)
+
+    q = randn(BATCH, HEADS, TOKENS, DIM)
+    prefix_k, prefix_v = randn(KV_HEADS, PREFIX, DIM), randn(KV_HEADS, PREFIX, value_dim)
+    own_k, own_v = randn(BATCH * KV_HEADS, TOKENS, DIM), randn(BATCH * KV_HEADS, TOKENS, value_dim)
+    sinks = randn(HEADS)
+    return q, prefix_k, prefix_v, own_k, own_v, sinks
 
 
+def ours(q, prefix_k, prefix_v, own_k, own_v, sinks, visibility, chunk, softcap=None, selection=None):
+    q_positions = torch.arange(PREFIX, PREFIX + TOKENS)
+    blocks = [
+        (prefix_k, prefix_v, KeyBlock(torch.arange(PREFIX), shared=True, selection=selection)),
+        (own_k, own_v, KeyBlock(q_positions, shared=False)),
+    ]
+    return attention_over_blocks(q, blocks, q_positions, 0.3, visibility, chunk, softcap=softcap, sinks=sinks)
+
+
+def reference(q, prefix_k, prefix_v, own_k, own_v, sinks, visibility, softcap=None, selection=None):
+    """Plain softmax over [prompt keys, own keys] per batch row, kv heads repeated, masked by absolute position."""
+    groups = HEADS // KV_HEADS
+    outs = []
+    for b in range(BATCH):
+        keys = torch.cat([prefix_k, own_k.view(BATCH, KV_HEADS, TOKENS, -1)[b]], dim=1).repeat_interleave(groups, 0)
+        values = torch.cat([prefix_v, own_v.view(BATCH, KV_HEADS, TOKENS, -1)[b]], 1).repeat_interleave(groups, 0)
+        scores = torch.matmul(q[b], keys.transpose(-1, -2)) * 0.3
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        q_pos, k_pos = torch.arange(PREFIX, PREFIX + TOKENS), torch.arange(PREFIX + TOKENS)
+        visible = k_pos[None, :] <= q_pos[:, None]
+        if visibility.sliding_window is not None:
+            visible &= (q_pos[:, None] - k_pos[None, :]) < visibility.sliding_window
+        if visibility.chunk_size is not None:
+            size, origin = visibility.chunk_size, visibility.chunk_origin
+            visible &= (k_pos[None, :] - origin) // size == (q_pos[:, None] - origin) // size
+        if selection is not None:
+            visible = visible & torch.cat([selection(0, PREFIX)[b], torch.ones(TOKENS, TOKENS, dtype=bool)], -1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks[:, None, None].expand(HEADS, TOKENS, 1)], dim=-1)
+        probs = torch.softmax(scores, -1)
+        outs.append(torch.matmul(probs[..., : values.shape[1]], values))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("visibility", list(VISIBILITIES))
-@pytest.mark.parametrize("chunk", [1, 3, 64])
-def test_chunked_attention_matches_softmax(visibility, chunk, softcap):
-    torch.manual_seed(0)
-    visibility = VISIBILITIES[visibility]
-    q = torch.randn(2, 4, 6, 8, dtype=torch.float64)
-    k, v = torch.randn(2, 13, 8, dtype=torch.float64), torch.randn(2, 13, 8, dtype=torch.float64)
-    q_positions, k_positions = torch.arange(13, 19), torch.arange(13)
-    out, lse = chunked_attention(q, k, v, q_positions, k_positions, 0.3, visibility, chunk, softcap=softcap)
-    want_out, want_lse = reference_attention(q, k, v, q_positions, k_positions, 0.3, visibility, softcap)
-    visible = torch.isfinite(want_lse)
-    assert torch.allclose(out[visible], want_out[visible], atol=1e-12)
-    assert torch.equal(visible, torch.isfinite(lse))
-    assert torch.all(out[~visible] == 0)
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_blocks_equal_one_softmax_over_their_union(visibility, chunk, softcap, sinks):
+    q, prefix_k, prefix_v, own_k, own_v, sink = inputs(torch.float64)
+    sink = sink if sinks else None
+    got = ours(q, prefix_k, prefix_v, own_k, own_v, sink, VISIBILITIES[visibility], chunk, softcap)
+    want = reference(q, prefix_k, prefix_v, own_k, own_v, sink, VISIBILITIES[visibility], softcap)
+    assert torch.allclose(got, want, atol=1e-12)
 
 
 @pytest.mark.parametrize("softcap", [None, 1.5])
 @pytest.mark.parametrize("row_block", [1024, 3])  # 3: the backward tiles the query rows too
 @pytest.mark.parametrize("visibility", list(VISIBILITIES))
-def test_chunked_attention_gradients_float64(visibility, row_block, softcap, monkeypatch):
+def test_gradients_float64(visibility, row_block, softcap, monkeypatch):
+    """Plain-torch path (float64): gradcheck on queries, prompt keys/values, own keys/values and sinks."""
     monkeypatch.setattr(attention, "BACKWARD_ROW_BLOCK", row_block)
-    torch.manual_seed(0)
-    q = torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(2, 9, 4, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(2, 9, 3, dtype=torch.float64, requires_grad=True)
-    q_positions = torch.tensor([6, 7, 8, 9, 10])
-    k_positions = torch.arange(9)
-    visibility = VISIBILITIES[visibility]
-    fn = lambda q, k, v: ChunkedAttention.apply(  # noqa: E731
-        q, k, v, q_positions, k_positions, 0.5, visibility, 2, softcap
-    )
-    assert torch.autograd.gradcheck(fn, (q, k, v))
+    tensors = inputs(torch.float64)
+
+    def fn(*tensors):
+        return ours(*tensors, VISIBILITIES[visibility], 2, softcap)
+
+    assert torch.autograd.gradcheck(fn, tensors)
 
 
-def test_merge_by_lse_equals_attention_over_the_union():
-    torch.manual_seed(0)
-    q = torch.randn(1, 4, 3, 8, dtype=torch.float64)
-    k, v = torch.randn(2, 20, 8, dtype=torch.float64), torch.randn(2, 20, 8, dtype=torch.float64)
-    positions = torch.arange(20)
-    q_positions = torch.arange(17, 20)
-    whole, whole_lse = reference_attention(q, k, v, q_positions, positions, 0.35)
-    prefix = chunked_attention(q, k[:, :17], v[:, :17], q_positions, positions[:17], 0.35, CAUSAL, 4)
-    suffix = chunked_attention(q, k[:, 17:], v[:, 17:], q_positions, positions[17:], 0.35, CAUSAL, 4)
-    out, lse = merge_by_lse(prefix[0], prefix[1], *suffix)
-    assert torch.allclose(out, whole, atol=1e-12) and torch.allclose(lse, whole_lse, atol=1e-12)
+@pytest.mark.parametrize("chunk", [3, 64])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_fused_cpu_kernels_agree_with_plain_torch(chunk, sinks):
+    """float32 goes through the fused CPU flash forward and backward (prompt chunks all visible, own tokens a square
+    causal block), float64 through plain torch: outputs and every gradient agree to fp32 rounding."""
+    fused_inputs, plain_inputs = inputs(torch.float32), inputs(torch.float64)
+    grad_out = torch.randn(BATCH, HEADS, TOKENS, DIM, dtype=torch.float64)
+    results = []
+    for tensors in (fused_inputs, plain_inputs):
+        sink = tensors[5] if sinks else None
+        out = ours(*tensors[:5], sink, CAUSAL, chunk)
+        out.backward(grad_out.to(out.dtype))
+        results.append(
+            [out.double()] + [t.grad.double() for t in tensors[:5]] + ([sink.grad.double()] if sinks else [])
+        )
+    for fused, plain in zip(*results, strict=True):
+        assert torch.allclose(fused, plain, atol=2e-5, rtol=1e-4), (fused - plain).abs().max()
+
+
+def test_fused_path_is_taken_for_float32_on_cpu(monkeypatch):
+    calls = []
+    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+    def counting(*args, **kwargs):
+        calls.append(args[7])  # is_causal
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_fused_backward_kernel", counting)
+    q, prefix_k, prefix_v, own_k, own_v, _ = inputs(torch.float32)
+    ours(q, prefix_k, prefix_v, own_k, own_v, None, CAUSAL, 64).sum().backward()
+    assert sorted(calls) == [False, True]  # the prompt block (all visible) and the own block (square causal)
+
+
+def test_value_head_narrower_than_the_key_head():
+    """MLA reads latent pages as keys and their first `rank` columns as values."""
+    fused, plain = inputs(torch.float32, value_dim=5), inputs(torch.float64, value_dim=5)
+    got = ours(*fused[:5], None, CAUSAL, 4)
+    want = reference(*plain[:5], None, CAUSAL)
+    assert torch.allclose(got.double(), want, atol=1e-5)
+
+
+def test_dsa_selection_restricts_the_prompt_keys():
+    generator = torch.Generator().manual_seed(1)
+    picked = torch.rand(BATCH, TOKENS, PREFIX, generator=generator) > 0.5
+
+    def selection(start, end):
+        return picked[..., start:end]
+
+    tensors = inputs(torch.float64)
+    got = ours(*tensors[:5], None, CAUSAL, 4, selection=selection)
+    want = reference(*tensors[:5], None, CAUSAL, selection=selection)
+    assert torch.allclose(got, want, atol=1e-12)
 
 
 def test_merge_by_lse_keeps_rows_that_saw_no_key_at_zero():
@@ -87,45 +152,13 @@ def test_merge_by_lse_keeps_rows_that_saw_no_key_at_zero():
     assert torch.all(merged == 0) and torch.all(torch.isneginf(lse))
 
 
-def test_sinks_join_the_softmax_denominator_with_their_gradient():
-    """gpt-oss: softmax over [scores, sink] with the sink's column dropped, as its eager attention computes it."""
-    torch.manual_seed(0)
-    q = torch.randn(1, 4, 3, 8, dtype=torch.float64)
-    k, v = torch.randn(2, 10, 8, dtype=torch.float64), torch.randn(2, 10, 8, dtype=torch.float64)
-    sinks = torch.randn(4, dtype=torch.float64, requires_grad=True)
-    q_positions, positions = torch.arange(7, 10), torch.arange(10)
-    out, lse = chunked_attention(q, k, v, q_positions, positions, 0.4, CAUSAL, 3)
-    got = add_sinks(out, lse, sinks)
-    scores = torch.matmul(q, k.repeat_interleave(2, 0)[None].transpose(-1, -2)) * 0.4
-    scores = scores.masked_fill(positions[None, :] > q_positions[:, None], float("-inf"))
-    combined = torch.cat([scores, sinks[None, :, None, None].expand(1, 4, 3, 1)], dim=-1)
-    want = torch.matmul(torch.softmax(combined, -1)[..., :-1], v.repeat_interleave(2, 0)[None])
-    assert torch.allclose(got, want, atol=1e-12)
-    got.sum().backward()
-    want_grad = torch.autograd.grad(want.sum(), sinks)[0]
-    assert torch.allclose(sinks.grad, want_grad, atol=1e-12)
-
-
-@pytest.mark.parametrize("visibility", ["causal", "window"])
-def test_fused_cpu_kernel_agrees_with_the_plain_torch_chunks(visibility):
-    """The fused flash path (all keys visible, or a square causal block) gives the plain-torch chunks' result."""
-    torch.manual_seed(0)
-    q = torch.randn(1, 4, 6, 8)
-    k, v = torch.randn(2, 6, 8), torch.randn(2, 6, 8)
-    positions = torch.arange(6)
-    fused = chunked_attention(q, k, v, positions, positions, 0.3, VISIBILITIES[visibility], 64)
-    plain = chunked_attention(
-        q.double(), k.double(), v.double(), positions, positions, 0.3, VISIBILITIES[visibility], 64
-    )
-    assert torch.allclose(fused[0].double(), plain[0], atol=1e-5) and torch.allclose(
-        fused[1].double(), plain[1], atol=1e-5
-    )
-
-
-def test_gradients_reach_the_prefix_leaves():
-    q = torch.randn(1, 2, 2, 4, requires_grad=True)
-    k = torch.randn(1, 6, 4, requires_grad=True)
-    v = torch.randn(1, 6, 4, requires_grad=True)
-    out, lse = chunked_attention(q, k, v, torch.tensor([6, 7]), torch.arange(6), 0.5, CAUSAL, 4)
-    (out.sum() + lse.sum()).backward()
-    assert k.grad.shape == k.shape and v.grad.abs().sum() > 0
+def test_bf16_under_autocast_accumulates_like_fp32():
+    """The function disables autocast inside and accumulates in fp32: bf16 inputs give the fp32 result to bf16
+    rounding of the inputs, not of every intermediate."""
+    fp32 = inputs(torch.float32)
+    bf16 = [t.detach().to(torch.bfloat16).requires_grad_(True) for t in fp32]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ours(*bf16[:5], bf16[5], CAUSAL, 4)
+    want = ours(*[t.detach().to(torch.bfloat16).float() for t in fp32[:5]], fp32[5].detach(), CAUSAL, 4)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() <= 1e-2

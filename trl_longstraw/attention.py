@@ -1,14 +1,21 @@
-"""Prefix-suffix attention merged by log-sum-exp, and its registration with transformers.
+"""Attention of replayed tokens over the captured prompt and over themselves, and its registration with transformers.
 
 A replayed completion attends to the captured prompt (the *prefix*, read-only, possibly far larger than the
 completion) and to itself (the *suffix*). Concatenating the two would copy the whole prefix per layer per replay and
-autograd would keep that copy alive for backward. Instead each part is computed on its own, returning its output and
-its log-sum-exp, and the two are merged exactly:
+autograd would keep that copy alive for backward. Instead the keys are visited as blocks (the prompt's pages in
+chunks of `attention_chunk_size`, then the forward's own tokens), each block's output and log-sum-exp computed on its
+own and merged exactly:
 
-    lse = logaddexp(lse_p, lse_s);  o = exp(lse_p - lse) * o_p + exp(lse_s - lse) * o_s
+    lse = logaddexp(lse_a, lse_b);  o = exp(lse_a - lse) * o_a + exp(lse_b - lse) * o_b
 
-The part over the prefix runs in chunks of keys with an online softmax; its backward recomputes chunk by chunk, so
-no `[queries, prefix]` score matrix ever exists in full, forward or backward.
+[`BlockAttention`] is that whole softmax as one autograd function. Its backward never materialises a `[queries,
+prefix]` score matrix: it revisits the blocks and gets each block's dK, dV and share of dQ from the *global* output
+and log-sum-exp (the ring-attention identity: `dS = P * (dO V^T - rowsum(dO * O))` with `P = exp(S - lse)` needs
+nothing but the block, `O` and `lse`), so the fused backward kernels apply to prefix blocks exactly as to a whole
+attention. One algorithm, two kernels per block: PyTorch's fused CPU flash kernels where no per-row mask is needed
+(keys all visible, or a square causal block), plain torch tiles where one is (a window or chunk edge, a DSA top-k
+selection, logit soft-capping, MLA's value head narrower than its key head), and the same plain tiles on CUDA.
+Everything accumulates in fp32 (or wider) whatever the autocast state: the function disables autocast inside.
 """
 
 from __future__ import annotations
@@ -24,6 +31,16 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION_IMPLEMENTATION = "longstraw"
 STATE_KWARG = "longstraw_state"
+
+# Query rows per step of the plain-torch backward: with the key chunk, bounds its score-sized temporaries (scores,
+# their gradient) to [groups, BACKWARD_ROW_BLOCK, chunk_size] however many rows a prompt chunk has. Measured on the
+# exact-mode prompt backward (tiny dense model, P = 8K): 1024 -> 128 rows cut its peak 0.60 -> 0.36 GiB and its time
+# 19.7 -> 12.7 s (the tiles stay in cache).
+BACKWARD_ROW_BLOCK = 128
+
+
+_fused_forward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_fused_backward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -51,7 +68,7 @@ class Visibility:
 CAUSAL = Visibility()
 
 
-def _chunk_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, visibility: Visibility) -> torch.Tensor | None:
+def visible_keys(q_positions: torch.Tensor, k_positions: torch.Tensor, visibility: Visibility) -> torch.Tensor | None:
     """Boolean `[rows, keys]` visibility (causal by absolute position, windowed or chunked), or None if all visible."""
     if not visibility.windowed() and int(k_positions[-1]) <= int(q_positions.min()):
         return None
@@ -64,75 +81,188 @@ def _chunk_mask(q_positions: torch.Tensor, k_positions: torch.Tensor, visibility
     return visible
 
 
-def _mask_scores(scores, q_positions, k_positions, start, end, visibility, selection, rows=slice(None)) -> None:
-    """Set to -inf the scores of keys `start:end` that query rows `rows` may not see."""
-    mask = _chunk_mask(q_positions[rows], k_positions[start:end], visibility)
-    if selection is not None:
-        selected = selection(start, end)[:, rows]
-        mask = selected if mask is None else mask & selected
-    if mask is not None:
-        scores.masked_fill_(~mask, float("-inf"))
+@dataclass(frozen=True)
+class KeyBlock:
+    """One set of keys the queries attend to, besides its tensors: their absolute `positions [keys]`, whether they are
+    `shared` by every batch row (the prompt's pages, `[kv_heads, keys, d]`) or one set per row (the forward's own
+    tokens, `[batch * kv_heads, keys, d]`), and an optional DSA `selection(start, end) -> bool [batch, tokens,
+    end - start]` of the keys each token's top-k picked."""
+
+    positions: torch.Tensor
+    shared: bool
+    selection: Callable[[int, int], torch.Tensor] | None = None
 
 
-# Query rows per step of the recomputing backward: with the key chunk, bounds its score-sized temporaries (scores,
-# their gradient) to [kv_heads, BACKWARD_ROW_BLOCK, chunk_size] however many rows a prompt chunk has. Measured on the
-# exact-mode prompt backward (tiny dense model, P = 8K): 1024 -> 128 rows cut its peak 0.60 -> 0.36 GiB and its time
-# 19.7 -> 12.7 s (the tiles stay in cache).
-BACKWARD_ROW_BLOCK = 128
+class _Fold:
+    """How queries `[batch, heads, tokens, ...]` fold into one block's `[groups, rows, ...]` layout: the query heads
+    of a kv head become rows, so GQA keys are read once per chunk, never repeated per query head."""
+
+    def __init__(self, batch: int, heads: int, tokens: int, key_groups: int, shared: bool):
+        self.batch, self.tokens, self.shared = batch, tokens, shared
+        self.kv_heads = key_groups if shared else key_groups // batch
+        self.groups = heads // self.kv_heads
+
+    def fold(self, x: torch.Tensor) -> torch.Tensor:
+        rest = x.shape[3:]
+        x = x.reshape(self.batch, self.kv_heads, self.groups, self.tokens, *rest)
+        if self.shared:
+            return x.transpose(0, 1).reshape(self.kv_heads, -1, *rest)
+        return x.reshape(self.batch * self.kv_heads, -1, *rest)
+
+    def unfold(self, y: torch.Tensor) -> torch.Tensor:
+        rest = y.shape[2:]
+        if self.shared:
+            y = y.reshape(self.kv_heads, self.batch, self.groups, self.tokens, *rest).transpose(0, 1)
+        return y.reshape(self.batch, self.kv_heads * self.groups, self.tokens, *rest)
+
+    def positions(self, q_positions: torch.Tensor) -> torch.Tensor:
+        return q_positions.repeat(self.batch * self.groups if self.shared else self.groups)
+
+    def selection(self, selected):
+        if selected is None:
+            return None
+
+        def fold_selection(start: int, end: int) -> torch.Tensor:
+            chunk = selected(start, end)  # [batch, tokens, n]
+            n = end - start
+            if self.shared:
+                return chunk[:, None].expand(self.batch, self.groups, self.tokens, n).reshape(1, -1, n)
+            chunk = chunk[:, None, None].expand(self.batch, self.kv_heads, self.groups, self.tokens, n)
+            return chunk.reshape(self.batch * self.kv_heads, -1, n)
+
+        return fold_selection
 
 
-def _soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    """Gemma-2's attention logit soft-capping, `softcap * tanh(scores / softcap)`, in place."""
-    if softcap is not None:
-        scores.div_(softcap).tanh_().mul_(softcap)
-    return scores
+@dataclass
+class _Chunk:
+    """One key chunk of one block, in the block's folded layout."""
+
+    keys: torch.Tensor  # [groups, n, d] on the compute device
+    values: torch.Tensor  # [groups, n, dv]
+    row_positions: torch.Tensor  # [rows]
+    key_positions: torch.Tensor  # [n]
+    visibility: Visibility
+    selection: torch.Tensor | None  # bool [groups or 1, rows, n]
+
+    def mask(self, rows=slice(None)) -> torch.Tensor | None:
+        mask = visible_keys(self.row_positions[rows], self.key_positions, self.visibility)
+        if self.selection is not None:
+            selected = self.selection[:, rows]
+            mask = selected if mask is None else mask & selected
+        return mask
 
 
-def _masked_chunk(q, kc, vc, q_positions, k_positions, start, end, scaling, visibility, softcap, selection, acc):
-    """One key chunk in plain torch: `(o [kv_heads, rows, dv], lse [kv_heads, rows])`, zero / -inf where unseen."""
-    scores = _soft_cap(torch.matmul(q.to(acc), kc.to(acc).transpose(1, 2)).mul_(scaling), softcap)
-    _mask_scores(scores, q_positions, k_positions, start, end, visibility, selection)
-    lse = torch.logsumexp(scores, dim=-1)
-    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    probs = torch.exp(scores.sub_(safe_lse[..., None]))
-    return torch.matmul(probs, vc.to(acc)), lse
+def _fusable(chunk: _Chunk, q: torch.Tensor, softcap) -> str | None:
+    """Whether PyTorch's fused CPU flash kernels can do this chunk: "all" (every key visible to every row), "causal"
+    (the rows are groups of the key tokens themselves: a square causal mask per group), or None."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if chunk.selection is not None or softcap is not None or chunk.values.shape[-1] != q.shape[-1]:
+        return None  # a per-row selection; soft-capping; MLA's value head differs from its key head
+    if visible_keys(chunk.row_positions, chunk.key_positions, chunk.visibility) is None:
+        return "all"
+    tokens, rows = chunk.key_positions.numel(), chunk.row_positions.numel()
+    if (
+        not chunk.visibility.windowed()
+        and rows % tokens == 0
+        and torch.equal(chunk.row_positions.view(-1, tokens), chunk.key_positions.expand(rows // tokens, tokens))
+    ):
+        return "causal"
+    return None
 
 
-def _fused_chunk(q, kc, vc, q_positions, k_positions, start, end, scaling, visibility, softcap, selection):
-    """The same chunk through PyTorch's fused CPU flash-attention kernel (which also returns the log-sum-exp), when
-    no per-row mask is needed: keys all visible, or the queries' own tokens under a plain causal mask. None otherwise.
+def _fused_operands(kind: str, q, chunk: _Chunk):
+    groups, rows, dim = q.shape
+    if kind == "all":
+        return q[:, None], chunk.keys[:, None].to(q.dtype), chunk.values[:, None].to(q.dtype), False
+    tokens = chunk.key_positions.numel()
+    per = rows // tokens
+    keys = chunk.keys[:, None].to(q.dtype).expand(groups, per, tokens, dim)
+    values = chunk.values[:, None].to(q.dtype).expand(groups, per, tokens, chunk.values.shape[-1])
+    return q.view(groups, per, tokens, dim), keys, values, True
+
+
+def _chunk_forward(q, chunk: _Chunk, scaling, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(o [groups, rows, dv], lse [groups, rows])` of one chunk, in the accumulation dtype; 0 / -inf where unseen.
 
     The profile of the CPU path showed the plain-torch chunk (matmul + exp) at ~80% of an update; the fused kernel
-    computes the same in ~1/9 of the time. Its backward is not needed: `ChunkedAttention.backward` recomputes.
+    computes the same in ~1/9 of the time.
     """
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or selection is not None:
-        return None
-    if softcap is not None or vc.shape[-1] != q.shape[-1]:  # the kernel has no soft-cap and one head size (not MLA's)
-        return None
-    kv_heads, rows, dim = q.shape
-    tokens = end - start
-    if _chunk_mask(q_positions, k_positions[start:end], visibility) is None:  # every key visible to every row
-        query, key, value, causal = q[:, None], kc[:, None], vc[:, None], False
-    elif (
-        not visibility.windowed()
-        and start == 0
-        and end == k_positions.numel()
-        and rows % tokens == 0
-        and torch.equal(q_positions[:tokens], k_positions)
-        and torch.equal(q_positions.view(-1, tokens), k_positions.expand(rows // tokens, tokens))
-    ):  # the rows are groups of the key tokens themselves: a square causal mask per group
-        groups = rows // tokens
-        query = q.view(kv_heads, groups, tokens, dim)
-        key = kc[:, None].expand(kv_heads, groups, tokens, dim)
-        value = vc[:, None].expand(kv_heads, groups, tokens, vc.shape[-1])
-        causal = True
-    else:
-        return None
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key.to(q.dtype), value.to(q.dtype), 0.0, causal, scale=scaling
-    )[:2]
     acc = _accumulation_dtype(q.dtype)
-    return out.reshape(kv_heads, rows, -1).to(acc), lse.reshape(kv_heads, rows).to(acc)
+    kind = _fusable(chunk, q, softcap)
+    if kind is not None:
+        query, key, value, causal = _fused_operands(kind, q, chunk)
+        out, lse = _fused_forward_kernel(query, key, value, 0.0, causal, scale=scaling)[:2]
+        return out.reshape(q.shape[0], q.shape[1], -1).to(acc), lse.reshape(q.shape[0], q.shape[1]).to(acc)
+    scores = torch.matmul(q.to(acc), chunk.keys.to(acc).transpose(1, 2)).mul_(scaling)
+    if softcap is not None:  # Gemma 2: softcap * tanh(scores / softcap)
+        scores.div_(softcap).tanh_().mul_(softcap)
+    mask = chunk.mask()
+    if mask is not None:
+        scores.masked_fill_(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores.sub_(_finite(lse)[..., None]))
+    return torch.matmul(probs, chunk.values.to(acc)), lse
+
+
+def _chunk_backward(d_out, q, o, lse, d_row, chunk: _Chunk, scaling, softcap, need):
+    """One chunk's `(dq, dk, dv)` from the *global* output `o`, `lse` and `d_row = rowsum(dO * o)` (folded layout).
+
+    `need = (q, k, v)` flags; entries not needed are None.
+    """
+    acc = _accumulation_dtype(q.dtype)
+    kind = _fusable(chunk, q, softcap)
+    if kind is not None:
+        query, key, value, causal = _fused_operands(kind, q, chunk)
+        shape = query.shape[:-1]
+        dq, dk, dv = _fused_backward_kernel(
+            d_out.to(q.dtype).reshape(*shape, -1),
+            query,
+            key,
+            value,
+            o.to(q.dtype).reshape(*shape, -1),
+            lse.to(torch.float32).reshape(shape),
+            0.0,
+            causal,
+            scale=scaling,
+        )
+        if kind == "causal":  # the keys were expanded over the row groups: sum their gradients back
+            dk, dv = dk.sum(1), dv.sum(1)
+        else:
+            dk, dv = dk[:, 0], dv[:, 0]
+        return dq.reshape(q.shape).to(acc), dk.to(acc), dv.to(acc)
+    keys, values = chunk.keys.to(acc), chunk.values.to(acc)
+    qf, d_out = q.to(acc), d_out.to(acc)
+    safe_lse = _finite(lse)
+    dq = torch.zeros_like(qf) if need[0] else None
+    dk = torch.zeros_like(keys) if need[1] else None
+    dv = torch.zeros_like(values) if need[2] else None
+    for row_start in range(0, q.shape[1], BACKWARD_ROW_BLOCK):
+        rows = slice(row_start, row_start + BACKWARD_ROW_BLOCK)
+        scores = torch.matmul(qf[:, rows], keys.transpose(1, 2)).mul_(scaling)
+        capped = None
+        if softcap is not None:  # d(c tanh(s / c)) / ds = 1 - tanh(s / c)^2
+            capped = scores.div_(softcap).tanh_()
+            scores = capped * softcap
+        mask = chunk.mask(rows)
+        if mask is not None:
+            scores.masked_fill_(~mask, float("-inf"))
+        probs = torch.exp(scores.sub_(safe_lse[:, rows, None]))
+        if dv is not None:
+            dv += torch.matmul(probs.transpose(1, 2), d_out[:, rows])
+        d_scores = probs.mul_(torch.matmul(d_out[:, rows], values.transpose(1, 2)).sub_(d_row[:, rows, None]))
+        if capped is not None:
+            d_scores.mul_(1 - capped.square_())
+        d_scores.mul_(scaling)
+        if dq is not None:
+            dq[:, rows] += torch.matmul(d_scores, keys)
+        if dk is not None:
+            dk += torch.matmul(d_scores.transpose(1, 2), qf[:, rows])
+    return dq, dk, dv
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
 def merge_by_lse(
@@ -145,138 +275,136 @@ def merge_by_lse(
     `o` in `out_a`'s dtype.
     """
     lse = torch.logaddexp(lse_a, lse_b)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    safe = _finite(lse)
     weight_a = torch.exp(lse_a - safe)[..., None]
     weight_b = torch.exp(lse_b - safe)[..., None]
     out = weight_a * out_a.to(weight_a.dtype) + weight_b * out_b.to(weight_b.dtype)
     return out.to(out_a.dtype), lse
 
 
-def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """Attention sinks (gpt-oss): one learned logit per head joins every softmax denominator, with a zero value.
+def _chunks(q, keys, values, block: KeyBlock, fold: _Fold, q_positions, visibility, chunk_size):
+    """The block's key chunks, staged onto the compute device (host-resident prompt state moves chunk by chunk)."""
+    row_positions = fold.positions(q_positions)
+    selection = fold.selection(block.selection)
+    for start in range(0, keys.shape[1], chunk_size):
+        end = min(start + chunk_size, keys.shape[1])
+        yield (
+            slice(start, end),
+            _Chunk(
+                keys[:, start:end].to(q.device, non_blocking=True),
+                values[:, start:end].to(q.device, non_blocking=True),
+                row_positions,
+                block.positions[start:end],
+                visibility,
+                None if selection is None else selection(start, end),
+            ),
+        )
 
-    `out [batch, heads, tokens, dv]`, `lse [batch, heads, tokens]` over all real keys, `sinks [heads]`. The sink is a
-    key set of its own (output 0, log-sum-exp `sinks[h]`) merged by LSE, so its gradient reaches the parameter.
-    """
-    sink_lse = sinks.to(lse.dtype)[None, :, None].expand_as(lse)
-    merged, _ = merge_by_lse(out, lse, torch.zeros_like(out), sink_lse)
-    return merged
 
+class BlockAttention(torch.autograd.Function):
+    """Softmax attention of `q [batch, heads, tokens, d]` over key blocks as one softmax (see the module docstring).
 
-class ChunkedAttention(torch.autograd.Function):
-    """Attention of grouped queries over one key/value block, in key chunks, returning output and log-sum-exp.
-
-    Shapes: `q [kv_heads, rows, d]` (a kv head's query heads, batch and tokens folded into rows), `k [kv_heads, keys,
-    d]`, `v [kv_heads, keys, dv]`, `q_positions [rows]`, `k_positions [keys]` (absolute token positions). Keys may
-    live on another device than the queries (host-resident prompt state): each chunk is staged on use. `selection`,
-    if given, maps a key range `(start, end)` to a boolean `[kv_heads or 1, rows, end - start]` of the keys each row
-    may see (DSA's top-k), on top of causality and `visibility`; `softcap` caps the scores (Gemma 2).
-    Returns `o [kv_heads, rows, dv]` (zero for rows that see no key) and `lse [kv_heads, rows]` (-inf there).
+    `blocks`: the static `KeyBlock`s; `tensors`: each block's keys and values, in order. `sinks [heads]` (gpt-oss)
+    join every softmax denominator with a zero value. Rows that see no key and no sink get `o = 0`. Returns `o [batch,
+    heads, tokens, dv]` in `q`'s dtype.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, q_positions, k_positions, scaling, visibility, chunk_size, softcap=None, selection=None):
-        acc = _accumulation_dtype(q.dtype)
-        out = lse = None
-        for start in range(0, k.shape[1], chunk_size):
-            end = min(start + chunk_size, k.shape[1])
-            kc = k[:, start:end].to(q.device, non_blocking=True)
-            vc = v[:, start:end].to(q.device, non_blocking=True)
-            chunk_args = (q, kc, vc, q_positions, k_positions, start, end, scaling, visibility, softcap, selection)
-            part = _fused_chunk(*chunk_args)
-            if part is None:
-                part = _masked_chunk(*chunk_args, acc)
-            out, lse = part if out is None else merge_by_lse(out, lse, *part)
-        ctx.save_for_backward(q, k, v, q_positions, k_positions, out, lse)
-        ctx.scaling, ctx.visibility, ctx.chunk_size = scaling, visibility, chunk_size
-        ctx.softcap, ctx.selection = softcap, selection
-        return out.to(q.dtype), lse
+    def forward(ctx, q, sinks, q_positions, scaling, visibility, chunk_size, softcap, blocks, *tensors):
+        with torch.autocast(q.device.type, enabled=False):
+            batch, heads, tokens, _ = q.shape
+            out = lse = None
+            for index, block in enumerate(blocks):
+                keys, values = tensors[2 * index], tensors[2 * index + 1]
+                if keys.shape[1] == 0:
+                    continue
+                fold = _Fold(batch, heads, tokens, keys.shape[0], block.shared)
+                q_folded = fold.fold(q)
+                for _, chunk in _chunks(q, keys, values, block, fold, q_positions, visibility, chunk_size):
+                    part_out, part_lse = _chunk_forward(q_folded, chunk, scaling, softcap)
+                    part = fold.unfold(part_out), fold.unfold(part_lse[..., None])[..., 0]
+                    out, lse = part if out is None else merge_by_lse(out, lse, *part)
+            if sinks is not None:
+                sink_lse = sinks.to(lse.dtype)[None, :, None].expand_as(lse)
+                out, lse = merge_by_lse(out, lse, torch.zeros_like(out), sink_lse)
+        ctx.save_for_backward(q, sinks, q_positions, out, lse, *tensors)
+        ctx.scaling, ctx.visibility, ctx.chunk_size, ctx.softcap, ctx.blocks = (
+            scaling,
+            visibility,
+            chunk_size,
+            softcap,
+            blocks,
+        )
+        return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, q_positions, k_positions, out, lse = ctx.saved_tensors
-        need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        acc = out.dtype
-        qf = q.to(acc)
-        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(acc)
-        grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.to(acc)
-        # d lse / d score = p; d o / d score = p * (v - o): both folded into one per-row correction term.
-        row_term = grad_lse - (grad_out * out).sum(dim=-1)
-        safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        grad_q = torch.zeros_like(qf) if need_q else None
-        grad_k = torch.zeros(k.shape, dtype=k.dtype, device=k.device) if need_k else None
-        grad_v = torch.zeros(v.shape, dtype=v.dtype, device=v.device) if need_v else None
-        for start in range(0, k.shape[1], ctx.chunk_size):
-            end = min(start + ctx.chunk_size, k.shape[1])
-            kc = k[:, start:end].to(q.device, acc)
-            vc = v[:, start:end].to(q.device, acc)
-            chunk_grad_k = torch.zeros_like(kc) if need_k else None
-            chunk_grad_v = torch.zeros_like(vc) if need_v else None
-            for row_start in range(0, q.shape[1], BACKWARD_ROW_BLOCK):
-                rows = slice(row_start, row_start + BACKWARD_ROW_BLOCK)
-                scores = torch.matmul(qf[:, rows], kc.transpose(1, 2)).mul_(ctx.scaling)
-                capped = None
-                if ctx.softcap is not None:  # d(c tanh(s / c)) / ds = 1 - tanh(s / c)^2
-                    capped = scores.div_(ctx.softcap).tanh_()
-                    scores = capped * ctx.softcap
-                _mask_scores(scores, q_positions, k_positions, start, end, ctx.visibility, ctx.selection, rows)
-                probs = torch.exp(scores.sub_(safe_lse[:, rows, None]))
-                if need_v:
-                    chunk_grad_v += torch.matmul(probs.transpose(1, 2), grad_out[:, rows])
-                grad_scores = probs.mul_(
-                    torch.matmul(grad_out[:, rows], vc.transpose(1, 2)).add_(row_term[:, rows, None])
-                )
-                if capped is not None:
-                    grad_scores.mul_(1 - capped.square_())
-                grad_scores.mul_(ctx.scaling)
+    def backward(ctx, d_out):
+        q, sinks, q_positions, out, lse, *tensors = ctx.saved_tensors
+        need_q, need_sinks = ctx.needs_input_grad[:2]
+        need_tensors = ctx.needs_input_grad[8:]
+        with torch.autocast(q.device.type, enabled=False):
+            batch, heads, tokens, _ = q.shape
+            d_out = d_out.to(out.dtype)
+            d_row = (d_out * out).sum(-1)  # rowsum(dO * O): the same for every block
+            d_q = torch.zeros(q.shape, dtype=out.dtype, device=q.device) if need_q else None
+            grads = [None] * len(tensors)
+            for index, block in enumerate(ctx.blocks):
+                keys, values = tensors[2 * index], tensors[2 * index + 1]
+                need_k, need_v = need_tensors[2 * index], need_tensors[2 * index + 1]
+                if keys.shape[1] == 0 or not (need_q or need_k or need_v):
+                    continue
+                fold = _Fold(batch, heads, tokens, keys.shape[0], block.shared)
+                folded = [fold.fold(x) for x in (q, d_out, out)]
+                folded_lse, folded_d_row = (fold.fold(x[..., None])[..., 0] for x in (lse, d_row))
+                d_keys = torch.zeros(keys.shape, dtype=keys.dtype, device=keys.device) if need_k else None
+                d_values = torch.zeros(values.shape, dtype=values.dtype, device=values.device) if need_v else None
+                d_q_folded = torch.zeros_like(folded[0], dtype=out.dtype) if need_q else None
+                for span, chunk in _chunks(q, keys, values, block, fold, q_positions, ctx.visibility, ctx.chunk_size):
+                    dq, dk, dv = _chunk_backward(
+                        folded[1],
+                        folded[0],
+                        folded[2],
+                        folded_lse,
+                        folded_d_row,
+                        chunk,
+                        ctx.scaling,
+                        ctx.softcap,
+                        (need_q, need_k, need_v),
+                    )
+                    if need_q:
+                        d_q_folded += dq
+                    if need_k:
+                        d_keys[:, span] = dk.to(keys.device, keys.dtype)
+                    if need_v:
+                        d_values[:, span] = dv.to(values.device, values.dtype)
                 if need_q:
-                    grad_q[:, rows] += torch.matmul(grad_scores, kc)
-                if need_k:
-                    chunk_grad_k += torch.matmul(grad_scores.transpose(1, 2), qf[:, rows])
-            if need_k:
-                grad_k[:, start:end] = chunk_grad_k.to(k.device, k.dtype)
-            if need_v:
-                grad_v[:, start:end] = chunk_grad_v.to(v.device, v.dtype)
-        grad_q = grad_q.to(q.dtype) if need_q else None
-        return grad_q, grad_k, grad_v, None, None, None, None, None, None, None
+                    d_q += fold.unfold(d_q_folded)
+                grads[2 * index], grads[2 * index + 1] = d_keys, d_values
+            d_sinks = None
+            if (
+                need_sinks
+            ):  # d lse / d sink = p_sink, and the sink's value is 0: d sink = -sum(p_sink * rowsum(dO * O))
+                p_sink = torch.exp(sinks.to(lse.dtype)[None, :, None] - _finite(lse))
+                d_sinks = -(p_sink * d_row).sum(dim=(0, 2)).to(sinks.dtype)
+        d_q = d_q.to(q.dtype) if need_q else None
+        return (d_q, d_sinks, None, None, None, None, None, None, *grads)
 
 
-def chunked_attention(
+def attention_over_blocks(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    blocks: list[tuple[torch.Tensor, torch.Tensor, KeyBlock]],
     q_positions: torch.Tensor,
-    k_positions: torch.Tensor,
     scaling: float,
     visibility: Visibility,
     chunk_size: int,
-    selected: Callable[[int, int], torch.Tensor] | None = None,
     softcap: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grouped-query attention of `q [batch, heads, tokens, d]` over `k, v [kv_heads, keys, d]` shared by the batch.
-
-    Returns `o [batch, heads, tokens, dv]` and `lse [batch, heads, tokens]`. The kv heads are never repeated: the
-    query heads of one kv head are folded into rows, so a GQA prefix is read once per chunk, not once per query head.
-    `selected(start, end)`, if given, returns the boolean `[batch, tokens, end - start]` of keys each token may see.
-    """
-    batch, heads, tokens, dim = q.shape
-    kv_heads = k.shape[0]
-    groups = heads // kv_heads
-    rows = q.view(batch, kv_heads, groups, tokens, dim).permute(1, 0, 2, 3, 4).reshape(kv_heads, -1, dim)
-    row_positions = q_positions.repeat(batch * groups)
-    selection = None
-    if selected is not None:
-
-        def selection(start: int, end: int) -> torch.Tensor:  # rows are (batch, group, token) within a kv head
-            chunk = selected(start, end)[:, None].expand(batch, groups, tokens, end - start)
-            return chunk.reshape(1, batch * groups * tokens, end - start)
-
-    out, lse = ChunkedAttention.apply(
-        rows, k, v, row_positions, k_positions, scaling, visibility, chunk_size, softcap, selection
-    )
-    out = out.view(kv_heads, batch, groups, tokens, -1).permute(1, 0, 2, 3, 4).reshape(batch, heads, tokens, -1)
-    lse = lse.view(kv_heads, batch, groups, tokens).permute(1, 0, 2, 3).reshape(batch, heads, tokens)
-    return out, lse
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of `q [batch, heads, tokens, d]` at absolute `q_positions [tokens]` over `(keys, values, KeyBlock)`
+    blocks, as one softmax; returns `o [batch, heads, tokens, dv]`. See `BlockAttention`."""
+    tensors = [t for keys, values, _ in blocks for t in (keys, values)]
+    specs = tuple(block for _, _, block in blocks)
+    return BlockAttention.apply(q, sinks, q_positions, scaling, visibility, chunk_size, softcap, specs, *tensors)
 
 
 def longstraw_attention_forward(
@@ -343,7 +471,7 @@ def _stock_attention(
     if attention_mask is None:  # SDPA's mask may be skipped in favour of `is_causal`; eager needs it spelled out
         queries, keys = query.shape[2], key.shape[2]
         q_positions = torch.arange(keys - queries, keys, device=query.device)
-        attention_mask = _chunk_mask(q_positions, torch.arange(keys, device=query.device), Visibility(sliding_window))
+        attention_mask = visible_keys(q_positions, torch.arange(keys, device=query.device), Visibility(sliding_window))
         attention_mask = None if attention_mask is None else attention_mask[None, None]
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill_(

@@ -7,8 +7,8 @@ every entry under causal attention; the last `window - 1` under a sliding window
 exact prompt gradient keeps every entry (a recompute of chunk c reads the pages before it).
 
 Per-call features come from the model's own attention call: `sliding_window`, `s_aux` (gpt-oss attention sinks: one
-logit per head in every softmax denominator, merged by log-sum-exp so its gradient reaches the parameter) and
-`softcap` (Gemma 2 logit soft-capping, applied to the scores of prefix and suffix alike).
+logit per head in every softmax denominator, with its gradient) and `softcap` (Gemma 2 logit soft-capping, applied to
+the scores of prefix and suffix alike).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..attention import Visibility, add_sinks, chunked_attention, merge_by_lse
+from ..attention import KeyBlock, Visibility, attention_over_blocks
 from .placement import Pages
 from .registry import LayerAccount, LayerState, UnsupportedModelError, find_child, register_state_kind
 
@@ -93,49 +93,35 @@ class AttentionPages(LayerState):
         return Visibility(sliding_window, self.chunk_size, self.prompt.start_position)
 
     def attend(self, access, query, key, value, scaling, sliding_window, sinks=None, softcap=None, **_):
-        """Attention of this forward's tokens over the prompt pages and over themselves (causal), LSE-merged.
+        """Attention of this forward's tokens over the prompt pages and over themselves (causal), as one softmax.
 
         `query [batch, heads, tokens, d]`, `key/value [batch, kv_heads, tokens, d]` are this forward's own tokens.
         """
-        batch, heads, tokens, dim = query.shape
-        kv_heads = key.shape[1]
-        q_positions = access.query_positions
-        chunk = access.attention_chunk_size
-        visibility = self.visibility(sliding_window)
-        # Each batch row has its own suffix keys: fold the batch into the heads so rows never see each other.
-        out, lse = chunked_attention(
-            query.reshape(1, batch * heads, tokens, dim),
-            key.reshape(batch * kv_heads, tokens, dim),
-            value.reshape(batch * kv_heads, tokens, value.shape[-1]),
-            q_positions,
-            q_positions,
-            scaling,
-            visibility,
-            chunk,
-            softcap=softcap,
-        )
-        out = out.view(batch, heads, tokens, -1)
-        lse = lse.view(batch, heads, tokens)
+        batch, kv_heads, tokens, _ = key.shape
+        positions = access.query_positions
         # Pages hold every captured token (or the ones a window/chunk still sees): all are readable except while the
         # exact recompute of a chunk reads only the pages before it.
         limit = access.prefix_length if access.mode == "recompute" else self.length
+        blocks = []
         if limit > 0:
-            prefix_out, prefix_lse = chunked_attention(
-                query,
-                self.key.read(limit),
-                self.value.read(limit),
-                q_positions,
-                torch.arange(self.start_position, self.start_position + limit, device=query.device),
-                scaling,
-                visibility,
-                chunk,
-                softcap=softcap,
-            )
-            out, lse = merge_by_lse(prefix_out, prefix_lse, out, lse)
-        if sinks is not None:
-            out = add_sinks(out, lse, sinks)
+            page_positions = torch.arange(self.start_position, self.start_position + limit, device=query.device)
+            blocks.append((self.key.read(limit), self.value.read(limit), KeyBlock(page_positions, shared=True)))
+        # Each batch row has its own suffix keys: one key set per (row, kv head).
+        own_keys = key.reshape(batch * kv_heads, tokens, -1)
+        own_values = value.reshape(batch * kv_heads, tokens, -1)
+        blocks.append((own_keys, own_values, KeyBlock(positions, shared=False)))
+        out = attention_over_blocks(
+            query,
+            blocks,
+            positions,
+            scaling,
+            self.visibility(sliding_window),
+            access.attention_chunk_size,
+            softcap=softcap,
+            sinks=sinks,
+        )
         if access.mode == "capture":
-            self._append(key[0], value[0], visibility)
+            self._append(key[0], value[0], self.visibility(sliding_window))
         elif access.mode == "recompute":
             access.recorded[self] = (key[0], value[0])
         return out

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import CAUSAL, chunked_attention, merge_by_lse
+from ..attention import CAUSAL, KeyBlock, attention_over_blocks
 from .placement import Pages
 from .registry import LayerAccount, LayerState, find_child, register_state_kind
 
@@ -81,47 +81,27 @@ class LatentPages(LayerState):
         return self.pages.tensors()
 
     def attend(self, access, query, key, value, scaling, indices=None, **_):
-        """Absorbed MLA of this forward's tokens over the latent pages and over themselves, LSE-merged."""
+        """Absorbed MLA of this forward's tokens over the latent pages and over themselves, as one softmax."""
         module = self.mixer
         latent, rope_key = access.cache_inputs[self.layer_idx]  # [batch, 1, tokens, rank], [batch, 1, tokens, rope]
-        own_keys = torch.cat([latent, rope_key], dim=-1)[:, 0]  # [batch, tokens, rank + rope]
+        own_keys = torch.cat([latent, rope_key], dim=-1)[:, 0]  # [batch, tokens, rank + rope]: one set per row
         rank = module.kv_lora_rank
         w_uk, w_uv = absorbed_weights(module)
         query_nope, query_rope = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
         absorbed = torch.cat([torch.einsum("bhtn,khn->bhtk", query_nope, w_uk.to(query.dtype)), query_rope], dim=-1)
         positions = access.query_positions
         prefix = access.prefix_length
-        own_selected = None if indices is None else topk_selection(indices, prefix)
-        own = [
-            chunked_attention(
-                absorbed[b : b + 1],
-                own_keys[b : b + 1],
-                own_keys[b : b + 1, :, :rank],
-                positions,
-                positions,
-                scaling,
-                CAUSAL,
-                access.attention_chunk_size,
-                None if own_selected is None else (lambda s, e, b=b: own_selected(s, e)[b : b + 1]),
-            )
-            for b in range(absorbed.shape[0])
-        ]
-        out = torch.cat([o for o, _ in own])
-        lse = torch.cat([lse for _, lse in own])
+        blocks = []
         pages = self.pages.read(prefix)
         if prefix > 0 and pages is not None:
-            prefix_out, prefix_lse = chunked_attention(
-                absorbed,
-                pages,
-                pages[..., :rank],
-                positions,
-                torch.arange(self.prompt.start_position, self.prompt.start_position + prefix, device=query.device),
-                scaling,
-                CAUSAL,
-                access.attention_chunk_size,
-                None if indices is None else topk_selection(indices, 0),
+            page_positions = torch.arange(
+                self.prompt.start_position, self.prompt.start_position + prefix, device=query.device
             )
-            out, lse = merge_by_lse(prefix_out, prefix_lse, out, lse)
+            selected = None if indices is None else topk_selection(indices, 0)
+            blocks.append((pages, pages[..., :rank], KeyBlock(page_positions, shared=True, selection=selected)))
+        selected = None if indices is None else topk_selection(indices, prefix)
+        blocks.append((own_keys, own_keys[..., :rank], KeyBlock(positions, shared=False, selection=selected)))
+        out = attention_over_blocks(absorbed, blocks, positions, scaling, CAUSAL, access.attention_chunk_size)
         if access.mode == "capture":
             self.pages.append(own_keys[:1])
         elif access.mode == "recompute":
