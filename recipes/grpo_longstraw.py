@@ -118,23 +118,30 @@ def load_train_dataset(script_args: LongStrawScriptArguments, seed: int) -> Data
 
 
 def phase_table(log_history: list[dict[str, float]]) -> str:
-    """Mean wall time and maximum peak memory of each phase over the logged steps, plus the largest prompt state.
+    """Per phase over the logged training steps: mean wall time, the largest peak and what the phase added at its peak.
 
-    The peak key is whatever the telemetry logged (`peak_cuda_allocated_gib` on CUDA, `peak_rss_gib` on the host), so
-    the table names it rather than assuming one. Phases that never ran (e.g. `capture_ref` when `beta=0`,
-    `prompt_backward` in detach mode) are shown as not logged.
+    The memory keys are whatever the telemetry logged (`cuda_allocated_*` on CUDA, `rss_*` on the host, see the
+    README's "Logged metrics"), so the table names them rather than assuming one. Phases that never ran (e.g.
+    `capture_ref` when `beta=0`, `prompt_backward` in detach mode) are shown as not logged. Evaluation's metrics
+    (`eval_longstraw/...`) are not in this table.
     """
-    rows = [f"{'phase':<16}{'steps':>6}{'mean time_s':>13}{'max peak GiB':>14}  memory metric"]
+    rows = [f"{'phase':<16}{'steps':>6}{'mean time_s':>13}{'max peak GiB':>14}{'max added GiB':>15}  memory metric"]
     for phase in PHASES:
         times = [log[f"{PREFIX}/{phase}/time_s"] for log in log_history if f"{PREFIX}/{phase}/time_s" in log]
         if not times:
-            rows.append(f"{phase:<16}{0:>6}{'-':>13}{'-':>14}  (not logged)")
+            rows.append(f"{phase:<16}{0:>6}{'-':>13}{'-':>14}{'-':>15}  (not logged)")
             continue
-        peak_prefix = f"{PREFIX}/{phase}/peak_"
-        peak_keys = sorted({key for log in log_history for key in log if key.startswith(peak_prefix)})
-        peak = max(log[key] for log in log_history for key in peak_keys if key in log)
-        metric = ", ".join(key.rsplit("/", 1)[-1] for key in peak_keys)
-        rows.append(f"{phase:<16}{len(times):>6}{statistics.mean(times):>13.3f}{peak:>14.3f}  {metric}")
+        columns = []
+        for suffix in ("_peak_gib", "_added_gib"):
+            keys = {key for log in log_history for key in log if key.startswith(f"{PREFIX}/{phase}/")}
+            keys = sorted(key for key in keys if key.endswith(suffix))
+            values = [log[key] for log in log_history for key in keys if key in log]
+            columns.append((max(values) if values else float("nan"), ", ".join(k.rsplit("/", 1)[-1] for k in keys)))
+        (peak, metric), (added, added_metric) = columns
+        rows.append(
+            f"{phase:<16}{len(times):>6}{statistics.mean(times):>13.3f}{peak:>14.3f}{added:>15.3f}  "
+            f"{metric or '(not measured)'}{', ' + added_metric if added_metric else ''}"
+        )
     states = [log[f"{PREFIX}/prompt_state_gib"] for log in log_history if f"{PREFIX}/prompt_state_gib" in log]
     rows.append(f"max prompt state: {max(states):.4f} GiB" if states else "max prompt state: (not logged)")
     return "\n".join(rows)

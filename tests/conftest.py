@@ -117,7 +117,7 @@ def grads_of(model):
 
 def max_relative_error(got, want, floor_fraction=0.0):
     """Largest per-tensor relative error; with `floor_fraction`, norms below that fraction of the global gradient
-    norm are measured against the floor instead (DESIGN.md: GatedDeltaNet's A_log/dt_bias gradients are tiny sums
+    norm are measured against the floor instead (docs/design.md: GatedDeltaNet's A_log/dt_bias gradients are tiny sums
     with heavy cancellation, which two exact orderings of the same math disagree on far above rounding)."""
     assert got.keys() == want.keys(), sorted(set(got) ^ set(want))
     floor = floor_fraction * torch.sqrt(sum(w.norm() ** 2 for w in want.values()))

@@ -1,4 +1,4 @@
-"""Loss and gradient fidelity of `replay_and_backward` against stock `GRPOTrainer` (DESIGN.md ladder 3 and 4)."""
+"""Loss and gradient fidelity of `replay_and_backward` against stock `GRPOTrainer` (docs/design.md ladder 3, 4)."""
 
 import copy
 
@@ -32,7 +32,7 @@ def replayable_copy(cache):
 
 
 class DetachedReferenceTrainer(GRPOTrainer):
-    """DESIGN.md's detached reference: prompt cached by HF under no_grad, each completion replayed on a deep copy."""
+    """docs/design.md's detached reference: prompt cached by HF under no_grad, each completion replayed on a deep copy."""
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
         rows_logps, rows_entropies = [], []
@@ -153,7 +153,7 @@ def test_exact_mode_matches_stock_with_loss_options(setting, fresh_model, tokeni
 
 
 # Tiny GLM-5 (MLA + DSA with IndexShare + MoE): index_topk covers these short sequences (test_engine covers a sparse
-# selection). Qwen3.5's A_log/dt_bias gradients are measured against a floor of 1e-3 of the global norm (DESIGN.md).
+# selection). Qwen3.5's A_log/dt_bias gradients are measured against a floor of 1e-3 of the global norm (docs/design.md).
 @pytest.mark.parametrize(
     "model_type, floor_fraction", [("qwen3_5", 1e-3), ("glm_moe_dsa", 0.0)], ids=["gated-deltanet", "mla-dsa-moe"]
 )

@@ -21,7 +21,6 @@ from .conftest import make_trainer, synthetic_inputs, trainer_args
         ("prefill_chunk_size", 0, "prefill_chunk_size=0"),
         ("attention_chunk_size", -1, "attention_chunk_size=-1"),
         ("prompt_state_device", "gpu7", "prompt_state_device='gpu7'"),
-        ("per_device_train_batch_size", 4, "per_device_train_batch_size=4 is not a multiple of num_generations=3"),
     ],
 )
 def test_config_rejects_bad_fields(field, value, message, tmp_path):
@@ -125,19 +124,6 @@ def trainer(fresh_model, tokenizer, prompt_dataset, tmp_path):
 def test_prompt_longer_than_the_model_positions(trainer, tokenizer):
     inputs = synthetic_inputs(len(tokenizer), prompt_lengths=(20, 7))
     with pytest.raises(ValueError, match="max_position_embeddings=24"):
-        trainer.replay_and_backward(trainer.model, inputs)
-
-
-def test_group_rows_must_share_a_prompt(trainer, tokenizer):
-    inputs = synthetic_inputs(len(tokenizer))
-    inputs["prompt_ids"][1, -1] += 1
-    with pytest.raises(ValueError, match=r"Rows 0..2 \(group 0\) do not share one prompt"):
-        trainer.replay_and_backward(trainer.model, inputs)
-
-
-def test_batch_that_splits_a_group(trainer, tokenizer):
-    inputs = {k: v[:4] if v.ndim else v for k, v in synthetic_inputs(len(tokenizer)).items()}
-    with pytest.raises(ValueError, match="not a whole number of groups of num_generations=3"):
         trainer.replay_and_backward(trainer.model, inputs)
 
 

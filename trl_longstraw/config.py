@@ -14,21 +14,34 @@ PROMPT_GRADIENT_MODES = ("detach", "exact")
 class LongStrawGRPOConfig(GRPOConfig):
     r"""
     Configuration for [`LongStrawGRPOTrainer`]. Every [`~trl.GRPOConfig`] field keeps its meaning; a setting the
-    LongStraw update cannot honour is rejected here with a `ValueError` that names it.
+    LongStraw update cannot honour is rejected here with a `ValueError` that names it and the fix.
 
-    LongStraw parameters:
-        prompt_gradient (`str`, defaults to `"detach"`): `"detach"` treats the captured prompt state as a constant
-            (the paper's capacity mode); `"exact"` also pushes the gradient of the prompt state into the parameters,
-            giving the same gradient as stock `GRPOTrainer`, at the cost of one prompt forward+backward per group.
-        prefill_chunk_size (`int`, defaults to `2048`): prompt tokens per no-grad capture forward.
-        attention_chunk_size (`int`, defaults to `4096`): prompt keys per step of the prefix attention.
-        prompt_state_device (`str`, defaults to `"auto"`): where the prompt state lives: `"auto"` (the model's
-            device), `"cpu"`, or any torch device string.
-        log_phase_metrics (`bool`, defaults to `True`): log wall time and peak memory per phase under `longstraw/`.
+    Parameters:
+        > Parameters that control the LongStraw update
 
-    `disable_dropout` defaults to `True` here (the replay must reproduce the scoring pass token for token) and
-    `activation_checkpointing` (alias `gradient_checkpointing`) to `False` (only the short completions run under
-    autograd).
+        prompt_gradient (`str`, *optional*, defaults to `"detach"`):
+            `"detach"` treats the captured prompt state as a constant (the paper's capacity mode); `"exact"` also
+            pushes the gradient of the prompt state into the parameters, giving the same gradient as stock
+            `GRPOTrainer`, at the cost of one prompt forward+backward per group and micro-step.
+        prefill_chunk_size (`int`, *optional*, defaults to `2048`):
+            Prompt tokens per no-grad capture forward (and per exact-mode recompute chunk).
+        attention_chunk_size (`int`, *optional*, defaults to `4096`):
+            Prompt keys per step of the prefix attention.
+        prompt_state_device (`str`, *optional*, defaults to `"auto"`):
+            Where the prompt state lives: `"auto"` (the model's device), `"cpu"`, or any available torch device.
+
+        > Parameters that control the LongStraw metrics
+
+        log_phase_metrics (`bool`, *optional*, defaults to `True`):
+            Log wall time, peak memory and run count of each phase under `longstraw/` (see the README's "Logged
+            metrics"). Never resets a process-wide counter (CUDA peak stats, the kernel's RSS high-water mark).
+        sync_phase_metrics (`bool`, *optional*, defaults to `False`):
+            Synchronise the accelerator at each phase boundary so `time_s` is device time. Off by default: CUDA
+            kernels run asynchronously, so without it a phase's time is the host time spent issuing its work.
+
+    Overrides of `GRPOConfig` defaults: `disable_dropout` defaults to `True` (the replay must reproduce the scoring pass
+    token for token) and `activation_checkpointing` (alias `gradient_checkpointing`) to `False` (only the completions
+    run under autograd).
     """
 
     prompt_gradient: str = field(
@@ -59,14 +72,23 @@ class LongStrawGRPOConfig(GRPOConfig):
         default="auto",
         metadata={
             "help": "Where the captured prompt state lives: 'auto' (the model's device), 'cpu' (host memory, staged "
-            "chunk by chunk onto the compute device when read), or a torch device string such as 'cuda:1'."
+            "chunk by chunk onto the compute device when read), or an available torch device such as 'cuda:1'."
         },
     )
     log_phase_metrics: bool = field(
         default=True,
         metadata={
-            "help": "Log wall time and peak memory of each phase (capture, capture_ref, score, replay, "
-            "prompt_backward, optimizer) and the prompt-state size under 'longstraw/' in the trainer logs."
+            "help": "Log wall time, peak memory and run count of each phase (capture, capture_ref, score, replay, "
+            "prompt_backward, optimizer) and the prompt-state size under 'longstraw/' in the trainer logs, train and "
+            "eval separately. Memory is sampled; no process-wide counter is ever reset."
+        },
+    )
+    sync_phase_metrics: bool = field(
+        default=False,
+        metadata={
+            "help": "Synchronise the accelerator at every phase boundary (once per phase and group, never per "
+            "member) so that `time_s` measures device time. Off by default: without it, on CUDA a phase's time is "
+            "the host time spent issuing its kernels."
         },
     )
     activation_checkpointing: bool | None = field(
@@ -74,8 +96,7 @@ class LongStrawGRPOConfig(GRPOConfig):
         metadata={
             "help": "Activation checkpointing of the replayed completion (TRL turns it on by default). Off by default "
             "here: the prompt never goes through autograd, and for short completions recomputing the replay's layers "
-            "recompute each layer for no memory gain (measured at R = 128: same peak). Turn it on for long "
-            "completions. "
+            "costs time for no memory gain (measured at R = 128: same peak). Turn it on for long completions. "
             "Unset (and `gradient_checkpointing` unset) means False."
         },
     )
@@ -95,7 +116,6 @@ class LongStrawGRPOConfig(GRPOConfig):
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = False
         self._validate_longstraw_fields()
-        self._validate_grouping()
         super().__post_init__()
 
     def _validate_longstraw_fields(self) -> None:
@@ -108,33 +128,40 @@ class LongStrawGRPOConfig(GRPOConfig):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer (e.g. 2048).")
         if self.prompt_state_device != "auto":
-            try:
-                torch.device(self.prompt_state_device)
-            except (RuntimeError, TypeError) as error:
-                raise ValueError(
-                    f"prompt_state_device={self.prompt_state_device!r} is not a device: use 'auto', 'cpu' or a torch "
-                    "device string such as 'cuda:0'."
-                ) from error
+            self._validate_state_device()
         if self.deepspeed or self.fsdp:
             raise ValueError(
                 "LongStrawGRPOTrainer supports data parallelism through DDP (plain `accelerate launch`), not "
                 "DeepSpeed or FSDP (`deepspeed`/`fsdp` are set): the serial replay runs on the unsharded model. Unset "
                 "them; to fit a large model use QLoRA (`load_in_4bit`) and `prompt_state_device='cpu'`."
             )
-
-    def _validate_grouping(self) -> None:
-        if self.per_device_train_batch_size % self.num_generations != 0:
+        if self.use_liger_kernel:
             raise ValueError(
-                f"per_device_train_batch_size={self.per_device_train_batch_size} is not a multiple of "
-                f"num_generations={self.num_generations}: a micro-step would split a group, and LongStraw captures "
-                f"each group's prompt once for all its members. Set per_device_train_batch_size to "
-                f"{self.num_generations} (or a multiple) and use gradient_accumulation_steps for larger batches."
+                "use_liger_kernel=True is not supported: Liger's Triton kernels replace the model's RMSNorm, RoPE and "
+                "MLP modules, and LongStraw's capture and replay are verified against stock only on transformers' own "
+                "modules (Liger needs CUDA, which this project's tests do not have). TRL 1.16 also deprecates the "
+                "flag. Set use_liger_kernel=False."
             )
-        if self.do_eval and self.eval_strategy != "no":
-            num_generations_eval = self.num_generations_eval or self.num_generations
-            if self.per_device_eval_batch_size % num_generations_eval != 0:
+
+    def _validate_state_device(self) -> None:
+        """Refuse a device that does not exist here now, not at the first capture after a costly generation."""
+        try:
+            device = torch.device(self.prompt_state_device)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(
+                f"prompt_state_device={self.prompt_state_device!r} is not a device: use 'auto', 'cpu' or a torch "
+                "device string such as 'cuda:0'."
+            ) from error
+        if device.type == "cuda":
+            available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if available == 0 or (device.index is not None and device.index >= available):
                 raise ValueError(
-                    f"per_device_eval_batch_size={self.per_device_eval_batch_size} is not a multiple of the "
-                    f"evaluation group size {num_generations_eval} (num_generations_eval or num_generations): an "
-                    "evaluation batch would split a group. Make it a multiple."
+                    f"prompt_state_device={self.prompt_state_device!r} but this machine has {available} CUDA "
+                    "device(s). Use prompt_state_device='auto' (the model's device) or 'cpu' (host memory), or a "
+                    "CUDA device index below the device count."
                 )
+        elif device.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError(
+                f"prompt_state_device={self.prompt_state_device!r} but MPS is not available here. Use "
+                "prompt_state_device='auto' or 'cpu'."
+            )

@@ -8,19 +8,23 @@ every rank ends the step with the gradient DDP would have given it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 
-def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """All-reduce (mean) every trainable parameter's gradient across `group`, in one flat buffer per dtype."""
+def average_gradients(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
+    """All-reduce (mean) the gradients of `params` across `group`, in one flat buffer per dtype.
+
+    `params` must be the same list, in the same order, on every rank; a parameter without a gradient gets zeros.
+    """
     if not dist.is_available() or not dist.is_initialized():
         return
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return
-    params = [p for p in model.parameters() if p.requires_grad]
     for param in params:
         if param.grad is None:
             param.grad = torch.zeros_like(param)

@@ -1,40 +1,52 @@
-"""Driving TRL's own GRPO loss on leaf log-probs, and the per-token gradients each replay back-propagates.
+"""Driving TRL's own GRPO loss from scored log-probs, and the per-token gradients each replay back-propagates.
 
 Every TRL loss type decomposes over members once its batch-level normalisers are known. Rather than re-implementing
-eight loss types, LongStraw computes every member's log-probs (and entropies) without grad from the captured state,
-runs `GRPOTrainer._compute_loss` once on leaf tensors standing in for them, and takes `d loss / d logp`. Each member
-is then replayed under autograd and back-propagates `logp_i.backward(d loss / d logp_i)`. Same loss, same metrics,
-same normalisers as stock, and future TRL loss types come for free.
+eight loss types, LongStraw scores every member's log-probs (and entropies) without grad from the captured prompt
+state and hands them to `GRPOTrainer._compute_loss` as the outputs of one autograd node, [`ReplayedScores`]. TRL's
+loss runs on them unchanged (same value, same metrics, same normalisers; future loss types come for free); when the
+loss is back-propagated, autograd delivers `d loss / d logp` per token to that node, whose backward replays each
+member under autograd and calls `logp_i.backward(d loss / d logp_i)`. So `trainer.compute_loss(model, inputs)
+.backward()` — what `Trainer.training_step` does — gives the LongStraw gradient, with no full forward of
+`prompt + completion` under autograd anywhere.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
+ReplayBackward = Callable[[torch.Tensor | None, torch.Tensor | None], None]
 
-@dataclass
-class LossLeaves:
-    """Leaf stand-ins for the model outputs `GRPOTrainer._compute_loss` reads, `[batch, completion_len]` each."""
 
-    logps: torch.Tensor
-    entropies: torch.Tensor
+class ReplayedScores(torch.autograd.Function):
+    """Scored `(logps, entropies)` as a differentiable node whose backward is the serial replay.
 
-    @classmethod
-    def from_scores(cls, logps: torch.Tensor, entropies: torch.Tensor) -> LossLeaves:
-        return cls(logps.detach().requires_grad_(True), entropies.detach().requires_grad_(True))
+    `forward(replay_backward, anchor, logps, entropies)`: `logps`/`entropies` are `[batch, completion_len]` no-grad
+    scores; `anchor` is any tensor that requires grad (it only makes the outputs part of the graph). `backward` calls
+    `replay_backward(grad_logps, grad_entropies)` with grad enabled; a gradient is None when the loss does not use
+    that output (TRL uses entropies' values only for an entropy bonus).
+    """
 
-    def model_outputs(self) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """What `_get_per_token_logps_and_entropies` returns while the loss runs on the leaves (no MoE aux loss)."""
-        return self.logps, self.entropies, None
+    @staticmethod
+    def forward(ctx, replay_backward: ReplayBackward, anchor, logps, entropies):
+        ctx.replay_backward = replay_backward
+        ctx.set_materialize_grads(False)
+        return logps.clone(), entropies.clone()
 
-    def gradients(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`d loss / d logps` and `d loss / d entropies` (None when the loss does not use entropies' values)."""
-        grad_logps, grad_entropies = torch.autograd.grad(loss, [self.logps, self.entropies], allow_unused=True)
-        if grad_logps is None:
-            grad_logps = torch.zeros_like(self.logps)
-        return grad_logps, grad_entropies
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropies):
+        with torch.enable_grad():
+            ctx.replay_backward(grad_logps, grad_entropies)
+        return None, None, None, None
+
+
+def replayed_scores(
+    replay_backward: ReplayBackward, logps: torch.Tensor, entropies: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`logps`, `entropies` as outputs of a [`ReplayedScores`] node (see there)."""
+    anchor = torch.zeros((), device=logps.device, requires_grad=True)
+    return ReplayedScores.apply(replay_backward, anchor, logps, entropies)
 
 
 def member_backward(

@@ -1,106 +1,190 @@
-"""Per-phase wall time and peak memory, collected for the trainer's logs (and so W&B, TensorBoard, the console).
+"""Per-phase wall time, peak memory and run count, collected for the trainer's logs (W&B, TensorBoard, the console).
 
-Peak memory is the CUDA allocator's `max_memory_allocated` when the phase runs on CUDA; otherwise it is the process
-resident-set high-water mark (Linux `VmHWM`, reset at each phase start through `/proc/self/clear_refs`), named
-`peak_rss_gib` so nobody mistakes one for the other.
+What the memory numbers are, and why:
+
+- **CUDA** (the phase runs on a CUDA device): `cuda_allocated_peak_gib` is the caching allocator's allocated bytes at
+  their highest during the phase. It is exact whenever the phase raised the process's allocator high-water mark
+  (`max_memory_allocated` moved during the phase: the memory-hungry phase of a step always does); otherwise it is the
+  largest of `memory_allocated()` at the phase's start and end and of samples taken every `interval_s` while it runs
+  (a lower bound). `cuda_allocated_added_gib` is that peak minus the allocation at the phase's start: what the phase
+  itself added on top of the weights, optimizer state and everything else alive. Reading allocator statistics needs
+  no device synchronisation (the allocator accounts on the host, when work is issued).
+- **Host**: `rss_peak_gib` is the process's resident set (`/proc/self/statm`) at its highest among samples taken at
+  the phase's start and end and every `interval_s` in between; `rss_added_gib` is that peak minus the resident set at
+  the phase's start. Resident memory is the whole process (weights, Python, the allocator's cache), so the added value
+  is the one that describes the phase; a spike shorter than the interval can be missed. Where `/proc` does not exist
+  only times are logged.
+
+Nothing here resets a process-wide counter: not CUDA's peak statistics (`reset_peak_memory_stats`), not the kernel's
+RSS high-water mark (`/proc/self/clear_refs`). A user's own monitoring reads those, so they are left alone.
+
+Train and eval accumulate separately: the trainer flushes `"train"` once per optimizer step and `"eval"` once per
+evaluation, so evaluation work never shows up in a training step.
 """
 
 from __future__ import annotations
 
 import contextlib
-import resource
+import os
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 PHASES = ("capture", "capture_ref", "score", "replay", "prompt_backward", "optimizer")
+MODES = ("train", "eval")
 PREFIX = "longstraw"
 _GIB = 1024**3
 
 
-def _read_rss_high_water() -> int | None:
+def read_rss_bytes() -> int | None:
+    """The process's current resident set in bytes (Linux), or None where `/proc/self/statm` does not exist."""
     try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
         return None
-    return None
 
 
-def _reset_rss_high_water() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        return True
-    except OSError:
-        return False
+class PeakSampler:
+    """Samples `read()` every `interval_s` on a daemon thread while a span is open; the span's maximum is kept.
+
+    The thread sleeps on an event between spans, so it costs nothing outside the phases. `read` must be cheap and
+    thread-safe (`/proc/self/statm`, `torch.cuda.memory_allocated`).
+    """
+
+    def __init__(self, read: Callable[[], int], interval_s: float = 0.005):
+        self.read = read
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._open = threading.Event()
+        self._peak = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> int:
+        value = self.read()
+        with self._lock:
+            self._peak = value
+        self._open.set()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="longstraw-memory-sampler", daemon=True)
+            self._thread.start()
+        return value
+
+    def stop(self) -> int:
+        self._open.clear()
+        value = self.read()
+        with self._lock:
+            return max(self._peak, value)
+
+    def _run(self) -> None:
+        while True:
+            self._open.wait()
+            value = self.read()
+            with self._lock:
+                if self._open.is_set():
+                    self._peak = max(self._peak, value)
+            time.sleep(self.interval_s)
+
+
+_SAMPLERS: dict[str, PeakSampler] = {}
+
+
+def shared_sampler(key: str, read: Callable[[], int], interval_s: float) -> PeakSampler:
+    """One sampler (one thread) per measured quantity per process, however many trainers are built."""
+    if key not in _SAMPLERS:
+        _SAMPLERS[key] = PeakSampler(read, interval_s)
+    return _SAMPLERS[key]
 
 
 class MemoryMeter:
-    """Peak memory over a span of code, on CUDA (allocator) or on the host (RSS high-water)."""
+    """The peak memory of one span and what the span added, on CUDA (allocator) or on the host (sampled RSS)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, interval_s: float = 0.005):
         self.cuda = device.type == "cuda"
         self.device = device
-        self.key = "peak_cuda_allocated_gib" if self.cuda else "peak_rss_gib"
+        if self.cuda:
+            self.keys = ("cuda_allocated_peak_gib", "cuda_allocated_added_gib")
+            self.sampler = shared_sampler(str(device), lambda: torch.cuda.memory_allocated(device), interval_s)
+        elif read_rss_bytes() is not None:
+            self.keys = ("rss_peak_gib", "rss_added_gib")
+            self.sampler = shared_sampler("rss", lambda: read_rss_bytes() or 0, interval_s)
+        else:
+            self.keys, self.sampler = (), None
 
     def start(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        elif not _reset_rss_high_water():
-            self.key = "peak_rss_lifetime_gib"  # the kernel would not reset VmHWM: report the process lifetime peak
+        """Open a span (spans do not nest)."""
+        if self.sampler is None:
+            return
+        high_water = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
+        self._started = (self.sampler.start(), high_water)
 
-    def peak_bytes(self) -> int:
+    def stop(self) -> tuple[int, int] | None:
+        """`(peak, added)` bytes for the span `start()` opened (None where memory is not measured)."""
+        if self.sampler is None:
+            return None
+        at_start, high_water_at_start = self._started
+        peak = self.sampler.stop()
         if self.cuda:
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device)
-        high_water = _read_rss_high_water()
-        return high_water if high_water is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            high_water = torch.cuda.max_memory_allocated(self.device)
+            if high_water > high_water_at_start:  # this span set the process's high-water mark: exact
+                peak = high_water
+        return peak, max(peak - at_start, 0)
 
 
 class PhaseTelemetry:
-    """Accumulates phase timings and peaks until `flush()` hands them to the trainer's metrics."""
+    """Accumulates phase times, peaks and counts per mode ("train"/"eval") until `flush(mode)` hands them over."""
 
-    def __init__(self, device: torch.device, enabled: bool = True):
+    def __init__(self, device: torch.device, enabled: bool = True, synchronize: bool = False):
         self.enabled = enabled
+        self.device = device
+        self.synchronize = synchronize and device.type == "cuda"
         self.meter = MemoryMeter(device)
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.peaks: dict[str, int] = {}
-        self.state_bytes: int | None = None
+        self._seconds = {mode: defaultdict(float) for mode in MODES}
+        self._counts = {mode: defaultdict(int) for mode in MODES}
+        self._peaks: dict[str, dict[str, tuple[int, int]]] = {mode: {} for mode in MODES}
+        self._state_bytes: dict[str, int] = {}
 
     @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str, mode: str = "train") -> Iterator[None]:
         if name not in PHASES:
             raise ValueError(f"unknown phase {name!r}; phases are {PHASES}")
         if not self.enabled:
             yield
             return
+        if self.synchronize:
+            torch.cuda.synchronize(self.device)
         self.meter.start()
         begin = time.perf_counter()
         try:
             yield
         finally:
-            peak = self.meter.peak_bytes()
-            self.seconds[name] += time.perf_counter() - begin
-            self.peaks[name] = max(self.peaks.get(name, 0), peak)
+            if self.synchronize:
+                torch.cuda.synchronize(self.device)
+            self._seconds[mode][name] += time.perf_counter() - begin
+            self._counts[mode][name] += 1
+            measured = self.meter.stop()
+            if measured is not None:
+                previous = self._peaks[mode].get(name, (0, 0))
+                self._peaks[mode][name] = (max(previous[0], measured[0]), max(previous[1], measured[1]))
 
-    def record_state(self, nbytes: int) -> None:
-        self.state_bytes = nbytes if self.state_bytes is None else max(self.state_bytes, nbytes)
+    def record_state(self, nbytes: int, mode: str = "train") -> None:
+        self._state_bytes[mode] = max(self._state_bytes.get(mode, 0), nbytes)
 
-    def flush(self) -> dict[str, float]:
-        """The metrics since the last flush, keyed `longstraw/<phase>/time_s` and `longstraw/<phase>/<peak key>`."""
+    def flush(self, mode: str = "train") -> dict[str, float]:
+        """The `mode`'s metrics since its last flush, keyed as the README's "Logged metrics" lists them."""
         metrics = {}
-        for name, seconds in self.seconds.items():
+        for name, seconds in self._seconds[mode].items():
             metrics[f"{PREFIX}/{name}/time_s"] = seconds
-            metrics[f"{PREFIX}/{name}/{self.meter.key}"] = self.peaks[name] / _GIB
-        if self.state_bytes is not None:
-            metrics[f"{PREFIX}/prompt_state_gib"] = self.state_bytes / _GIB
-        self.seconds.clear()
-        self.peaks.clear()
-        self.state_bytes = None
+            metrics[f"{PREFIX}/{name}/count"] = float(self._counts[mode][name])
+            if name in self._peaks[mode]:
+                for key, value in zip(self.meter.keys, self._peaks[mode][name], strict=True):
+                    metrics[f"{PREFIX}/{name}/{key}"] = value / _GIB
+        if mode in self._state_bytes:
+            metrics[f"{PREFIX}/prompt_state_gib"] = self._state_bytes.pop(mode) / _GIB
+        self._seconds[mode].clear()
+        self._counts[mode].clear()
+        self._peaks[mode].clear()
         return metrics

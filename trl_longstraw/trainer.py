@@ -1,57 +1,62 @@
-"""`LongStrawGRPOTrainer`: `GRPOTrainer` whose scoring and update capture each group's prompt once.
+"""`LongStrawGRPOTrainer`: `GRPOTrainer` whose scoring and update capture each prompt once.
 
-TRL integration only: which rows form a group, where scoring and the update hook into `GRPOTrainer`, telemetry into
-the trainer's metrics. The update of one group lives in `engine.py`.
+TRL integration only: which rows share a prompt, where scoring and the update hook into `GRPOTrainer`, telemetry into
+the trainer's metrics. The work on one prompt lives in `engine.py`.
+
+The trainer overrides no step of TRL's loop: `Trainer.training_step`, `GRPOTrainer._prepare_inputs` (its row
+shuffle, its split into micro-steps, its buffering) and `GRPOTrainer.compute_loss` run as stock. LongStraw enters at
+one seam, `_get_per_token_logps_and_entropies`: under no grad it returns log-probs scored from captures; under grad
+it returns them as the outputs of a [`~trl_longstraw.loss.ReplayedScores`] node, so the `backward()` that
+`Trainer.training_step` calls on TRL's loss runs the serial replay. Same samples, same loss, same gradient as stock.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from accelerate.utils import is_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoConfig, TrainerCallback
 from trl import GRPOTrainer
-from trl.trainer.utils import split_tensor_dict
+from trl.extras.profiling import profiling_context, profiling_decorator
 
 from .architectures import check_supported
 from .attention import ATTENTION_IMPLEMENTATION, register_attention
 from .config import LongStrawGRPOConfig
 from .distributed import average_gradients
-from .engine import LongStrawEngine, ensure_finite
-from .loss import LossLeaves, member_backward
+from .engine import LongStrawEngine, ensure_finite, weights_version
+from .loss import member_backward, replayed_scores
 from .telemetry import PhaseTelemetry
 
 
 @dataclass
-class Group:
-    """The rows of one group in a batch: one prompt, `len(rows)` completions."""
+class PromptGroup:
+    """The rows of a batch that share one prompt (a GRPO group, or the part of it in this micro-batch)."""
 
-    index: int
-    rows: range
+    index: int  # order of first appearance in the batch
+    rows: list[int]  # row indices, ascending
     prompt_ids: torch.Tensor  # [P] real prompt tokens (left padding removed)
     first_position: int  # position of prompt_ids[0], as the padded full-sequence forward numbers it
-    completion_lengths: torch.Tensor  # [G] real completion tokens per member
+    completion_lengths: list[int]  # real completion tokens per row
+
+    def same_prompt(self, prompt_ids: torch.Tensor, first_position: int) -> bool:
+        return first_position == self.first_position and torch.equal(prompt_ids, self.prompt_ids)
 
 
-def split_groups(
+def group_rows_by_prompt(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
     completion_mask: torch.Tensor,
-    group_size: int,
     max_positions: int | None,
-) -> list[Group]:
-    """Cut a batch into groups of `group_size` consecutive rows that share a prompt; raise on anything else."""
-    batch = prompt_ids.shape[0]
-    if batch % group_size != 0:
-        raise ValueError(
-            f"The batch has {batch} rows, which is not a whole number of groups of num_generations={group_size}: "
-            "LongStraw captures each group's prompt once. Make per_device_train_batch_size a multiple of "
-            "num_generations."
-        )
+) -> list[PromptGroup]:
+    """Group a batch's rows by identical `(prompt_ids, prompt_mask)`, wherever they sit; raise on bad layouts.
+
+    TRL shuffles rows across the whole generation batch and lets a group span micro-steps, so a micro-batch holds any
+    number of rows of any number of groups, in any order. Rows with the same prompt need one capture, whichever group
+    they were sampled in.
+    """
     total_length = prompt_ids.shape[1] + completion_mask.shape[1]
     if max_positions is not None and total_length > max_positions:
         raise ValueError(
@@ -59,85 +64,94 @@ def split_groups(
             f"spans {total_length} positions, more than the model's max_position_embeddings={max_positions}. "
             "Truncate the prompts, lower max_completion_length, or use a model configured for longer context."
         )
+    keys = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
+    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    inverse = inverse.tolist()
+    rows_of: dict[int, list[int]] = {}
+    for row, key in enumerate(inverse):
+        rows_of.setdefault(key, []).append(row)
+    lengths = completion_mask.sum(1).tolist()
     groups = []
-    for index in range(batch // group_size):
-        rows = range(index * group_size, (index + 1) * group_size)
-        prompts, masks = prompt_ids[rows.start : rows.stop], prompt_mask[rows.start : rows.stop]
-        if not (
-            torch.equal(prompts, prompts[:1].expand_as(prompts)) and torch.equal(masks, masks[:1].expand_as(masks))
-        ):
-            raise ValueError(
-                f"Rows {rows.start}..{rows.stop - 1} (group {index}) do not share one prompt. LongStraw needs the "
-                f"num_generations={group_size} completions of a prompt in consecutive rows with identical prompt_ids "
-                "and prompt_mask (GRPOTrainer's own layout before shuffling)."
-            )
-        real = masks[0].bool()
+    for index, rows in enumerate(sorted(rows_of.values(), key=lambda rows: rows[0])):
+        real = prompt_mask[rows[0]].bool()
         num_real = int(real.sum())
-        first_position = prompts.shape[1] - num_real
+        first_position = prompt_ids.shape[1] - num_real
         if num_real == 0 or not bool(real[first_position:].all()):
             raise ValueError(
-                f"Group {index}: prompt_mask must be left-padded and non-empty (got {masks[0].tolist()})."
+                f"Row {rows[0]}: prompt_mask must be left-padded and non-empty (got {prompt_mask[rows[0]].tolist()})."
             )
         groups.append(
-            Group(
+            PromptGroup(
                 index,
                 rows,
-                prompts[0, first_position:],
+                prompt_ids[rows[0], first_position:].clone(),  # not a view: a kept group must not pin the batch
                 first_position,
-                completion_mask[rows.start : rows.stop].sum(1),
+                [int(lengths[r]) for r in rows],
             )
         )
     return groups
 
 
-def shuffle_groups(batch: dict[str, Any], group_size: int) -> dict[str, Any]:
-    """Shuffle whole groups (not rows, as TRL does) so every micro-batch cut from the batch holds whole groups."""
-    num_rows = len(batch["prompt_ids"])
-    order = torch.randperm(num_rows // group_size)
-    rows = (order[:, None] * group_size + torch.arange(group_size)[None, :]).reshape(-1)
+def ensure_finite_members(
+    finite: torch.Tensor, where: str, group: PromptGroup, members: list[int] | None = None
+) -> None:
+    """Raise naming the first member whose values are not finite (`finite`: one flag per member, or per `members`).
 
-    def permute(value):
-        if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
-            return value
-        if isinstance(value, torch.Tensor):
-            return value[rows.to(value.device)]
-        if isinstance(value, list) and len(value) == num_rows:
-            return [value[i] for i in rows]
-        return value
-
-    return {key: permute(value) for key, value in batch.items()}
+    One device synchronisation per group, not per member.
+    """
+    if not bool(finite.all()):
+        member = int((~finite).nonzero()[0])
+        member = member if members is None else members[member]
+        ensure_finite(torch.tensor(float("nan")), f"{where}, group {group.index}, member {member}")
 
 
-class _OptimizerPhaseCallback(TrainerCallback):
-    """Times the optimizer step (a Trainer callback: the Trainer owns that call) into the trainer's metrics."""
+@dataclass
+class _KeptState:
+    """The one prompt state kept between uses: the last group scored or replayed, while the weights stay put."""
+
+    group: PromptGroup
+    state: Any
+
+
+class _LongStrawCallback(TrainerCallback):
+    """Times the optimizer step (the Trainer owns that call), flushes the step's telemetry, drops stale state."""
 
     def __init__(self, trainer: LongStrawGRPOTrainer):
         self.trainer = trainer
         self.span = None
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.span = self.trainer._telemetry.phase("optimizer")
+        self.span = self.trainer._phase("optimizer")
         self.span.__enter__()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.span is not None:
             self.span.__exit__(None, None, None)
             self.span = None
-            self.trainer._flush_telemetry()
+        self.trainer._kept = None  # captured under the weights the optimizer just changed
+        self.trainer._flush_telemetry("train")
 
 
 class LongStrawGRPOTrainer(GRPOTrainer):
     """
-    Drop-in [`~trl.GRPOTrainer`] for long shared prompts: each group's prompt is captured once without autograd,
-    old/reference log-probs are scored from that capture, and each completion is replayed alone under autograd
-    against the read-only prompt state. Peak memory is O(prompt state) + O(one completion's graph), independent
-    of the group size; the prompt is computed once per group instead of once per member.
+    Drop-in [`~trl.GRPOTrainer`] for long shared prompts: each prompt is captured once without autograd, old/reference
+    and current log-probs are scored from that capture, and each completion is replayed alone under autograd against
+    the read-only prompt state. Peak memory is O(prompt state) + O(one completion's graph), independent of the group
+    size.
 
-    Arguments are `GRPOTrainer`'s; `args` must be a [`LongStrawGRPOConfig`]. See `replay_and_backward` for the
-    update contract.
+    Arguments are `GRPOTrainer`'s; `args` must be a [`LongStrawGRPOConfig`]. TRL's loop runs unchanged (see the module
+    docstring): `compute_loss(model, inputs)` returns TRL's loss, and its `backward()` replays the completions.
+
+    Prompt states and micro-steps: TRL's row shuffle spreads a group over the micro-steps of a generation batch. Each
+    micro-step captures the prompts of its own rows: once to score them (forward) and once more to replay them
+    (backward), except that the last state scored stays alive for the first replay, and the last state replayed stays
+    alive for the next micro-step, which reuses it if its rows share that prompt and the weights have not moved.
+    Nothing else is kept: at most one group's state is alive at a time, plus the one being captured. Captures per
+    micro-step are logged as `longstraw/capture/count`; a whole group per micro-step (`per_device_train_batch_size` a
+    multiple of `num_generations` and `steps_per_generation=1`) costs the fewest.
     """
 
-    _tag_names = ["trl", "grpo", "longstraw"]
+    _tag_names: ClassVar[list[str]] = ["trl", "grpo", "longstraw"]
 
     def __init__(self, model, reward_funcs=None, args: LongStrawGRPOConfig | None = None, **kwargs):
         if args is None:
@@ -154,9 +168,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             )
         if isinstance(model, str):  # fail on an unsupported architecture before loading any weights
             init_kwargs = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
-            check_supported(AutoConfig.from_pretrained(model, trust_remote_code=init_kwargs.get("trust_remote_code")))
+            trust_remote_code = bool(init_kwargs.get("trust_remote_code", False))
+            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+            check_supported(config, trust_remote_code=trust_remote_code)  # its meta-device skeleton: no weights
         else:
-            check_supported(model.config)
+            config = model.config
+            check_supported(model)
+        self._check_positions(config, args, prompt_width=1)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         if self._is_vlm:
             raise ValueError("LongStrawGRPOTrainer supports text-only causal LMs; this model is vision-language.")
@@ -177,9 +195,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             state_device=state_device,
             prompt_gradient=args.prompt_gradient,
         )
-        self._telemetry = PhaseTelemetry(self.accelerator.device, enabled=args.log_phase_metrics)
-        self._loss_leaves: LossLeaves | None = None
-        self.add_callback(_OptimizerPhaseCallback(self))
+        self._telemetry = PhaseTelemetry(
+            self.accelerator.device, enabled=args.log_phase_metrics, synchronize=args.sync_phase_metrics
+        )
+        self._kept: _KeptState | None = None
+        self._reached: list[torch.nn.Parameter] | None = None
+        self.add_callback(_LongStrawCallback(self))
 
     # ---------------------------------------------------------------------------------------------------------------
     # Helpers
@@ -189,12 +210,38 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         model = self.accelerator.unwrap_model(model)
         return model.get_base_model() if is_peft_model(model) else model
 
-    def _group_size(self) -> int:
-        return self.num_generations if self.model.training else self.num_generations_eval
+    def _mode(self) -> str:
+        return "train" if self.model.training else "eval"
 
-    def _groups(self, prompt_ids, prompt_mask, completion_mask) -> list[Group]:
-        max_positions = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        return split_groups(prompt_ids, prompt_mask, completion_mask, self._group_size(), max_positions)
+    def _phase(self, name: str):
+        return self._telemetry.phase(name, self._mode())
+
+    def _flush_telemetry(self, mode: str) -> None:
+        for key, value in self._telemetry.flush(mode).items():
+            self._metrics[mode][key].append(value)
+
+    @staticmethod
+    def _check_positions(config, args: LongStrawGRPOConfig, prompt_width: int) -> None:
+        """Refuse prompts that, with `max_completion_length` more tokens, would run past the model's positions.
+
+        Called at construction (a one-token prompt) and on the tokenized prompts before each generation, so the
+        costliest part of a long-prompt step never runs for a batch the update would refuse.
+        """
+        max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+        if max_positions is None:
+            return
+        multiple = args.pad_to_multiple_of
+
+        def padded(width: int) -> int:
+            return -(-width // multiple) * multiple if multiple else width
+
+        total = padded(prompt_width) + padded(args.max_completion_length or 0)
+        if total > max_positions:
+            raise ValueError(
+                f"A prompt of {prompt_width} tokens plus max_completion_length={args.max_completion_length} spans "
+                f"{total} positions, more than the model's max_position_embeddings={max_positions}. Truncate the "
+                "prompts, lower max_completion_length, or use a model configured for longer context."
+            )
 
     def _is_reference_pass(self, model) -> bool:
         """Whether GRPOTrainer is scoring the reference: `ref_model`, or the policy with its adapter disabled/`ref`."""
@@ -208,40 +255,80 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         tuner = next((m for m in policy.modules() if isinstance(m, BaseTunerLayer)), None)
         return tuner is not None and tuner.disable_adapters
 
-    def _flush_telemetry(self) -> None:
-        mode = "train" if self.model.training else "eval"
-        for key, value in self._telemetry.flush().items():
-            self._metrics[mode][key].append(value)
+    def _groups(self, prompt_ids, prompt_mask, completion_mask) -> list[PromptGroup]:
+        max_positions = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        return group_rows_by_prompt(prompt_ids, prompt_mask, completion_mask, max_positions)
 
-    def _capture(self, causal_lm, group: Group, phase: str):
-        with self._telemetry.phase(phase), self.accelerator.autocast():
+    # ---------------------------------------------------------------------------------------------------------------
+    # Prompt states: capture, keep, reuse
+    # ---------------------------------------------------------------------------------------------------------------
+    def _capture(self, causal_lm, group: PromptGroup, phase: str):
+        with self._phase(phase), self.accelerator.autocast():
             state = self.engine.capture(causal_lm, group.prompt_ids, group.first_position)
-        self._telemetry.record_state(state.nbytes())
+        self._telemetry.record_state(state.nbytes(), self._mode())
         return state
 
-    def _capture_and_score(self, causal_lm, group: Group, completion_ids, capture_phase: str):
-        """Capture a group's prompt, then score its members without grad; returns the state and the scores.
+    def _policy_state(self, causal_lm, group: PromptGroup):
+        """The kept state if it is this prompt's and the weights have not moved since; otherwise a new capture.
 
-        Members are scored one at a time, like they are replayed: batching them would make the scoring peak grow
-        with the group size (measured: 0.16 to 0.85 GiB from G = 2 to 16 at P = 8K), breaking the memory contract.
+        The kept state is released before capturing, so at most one state is alive besides the caller's.
         """
-        state = self._capture(causal_lm, group, capture_phase)
-        with self._telemetry.phase("score"), torch.no_grad(), self.accelerator.autocast():
-            logps, entropies = self.engine.score(
-                causal_lm,
-                state,
-                group.prompt_ids[-1:],
-                completion_ids[group.rows.start : group.rows.stop],
-                group.completion_lengths,
-                batch_size=1,
-            )
-        for member, values in enumerate(logps):
-            ensure_finite(values, f"phase 'score' ({capture_phase}), group {group.index}, member {member}")
-        return state, logps, entropies
+        kept, self._kept = self._kept, None
+        if (
+            kept is not None
+            and kept.group.same_prompt(group.prompt_ids, group.first_position)
+            and kept.state.weights_version == weights_version(causal_lm)
+        ):
+            return kept.state
+        del kept
+        return self._capture(causal_lm, group, "capture")
+
+    def _score_groups(self, causal_lm, groups, completion_ids, reference: bool):
+        """No-grad log-probs and entropies `[batch, completion_len]` of every row, one prompt state at a time.
+
+        Members are scored one at a time, like they are replayed: batching them would make the scoring peak grow with
+        the group size (measured: 0.16 to 0.85 GiB from G = 2 to 16 at P = 8K). For the policy, the group whose state
+        is kept goes first (no capture) and the last group's state stays kept; returns the order used.
+        """
+        if not reference and self._kept is not None:
+            kept = self._kept.group
+            groups = sorted(groups, key=lambda g: not kept.same_prompt(g.prompt_ids, g.first_position))
+        logps = entropies = None
+        for group in groups:
+            if reference:
+                self._kept = None
+                state = self._capture(causal_lm, group, "capture_ref")
+            else:
+                state = self._policy_state(causal_lm, group)
+            rows = torch.tensor(group.rows, device=completion_ids.device)
+            with self._phase("score"), torch.no_grad(), self.accelerator.autocast():
+                group_logps, group_entropies = self.engine.score(
+                    causal_lm,
+                    state,
+                    group.prompt_ids[-1:],
+                    completion_ids[rows],
+                    torch.tensor(group.completion_lengths),
+                    batch_size=1,
+                )
+            phase = "capture_ref" if reference else "capture"
+            ensure_finite_members(torch.isfinite(group_logps).all(dim=1), f"phase 'score' ({phase})", group)
+            if logps is None:
+                logps = group_logps.new_zeros(completion_ids.shape)
+                entropies = group_logps.new_zeros(completion_ids.shape)
+            logps[rows.to(logps.device)] = group_logps
+            if group_entropies is not None:  # None: every member of the group is empty (e.g. all truncated)
+                entropies[rows.to(entropies.device)] = group_entropies.to(entropies.dtype)
+            if not reference:
+                self._kept = _KeptState(group, state)
+            del state
+        if reference:
+            self._kept = None
+        return logps, entropies, groups
 
     # ---------------------------------------------------------------------------------------------------------------
-    # Scoring: GRPOTrainer asks for per-token log-probs; they come from one capture per group
+    # The seam: GRPOTrainer asks for per-token log-probs (and, under grad, for their gradient)
     # ---------------------------------------------------------------------------------------------------------------
+    @profiling_decorator
     def _get_per_token_logps_and_entropies(
         self,
         model,
@@ -253,125 +340,149 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         compute_aux_loss=False,
         **multimodal_inputs,
     ):
-        if self._loss_leaves is not None:  # GRPOTrainer._compute_loss running on leaves inside replay_and_backward
-            return self._loss_leaves.model_outputs()
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "LongStrawGRPOTrainer computes gradients only through replay_and_backward (training_step calls it); "
-                "a grad-enabled full forward of prompt + completion is exactly what it exists to avoid."
-            )
+        """Log-probs (and entropies) of the completion tokens, from one capture per distinct prompt.
+
+        Under no grad (old/reference scoring, evaluation) these are plain tensors. Under grad (TRL's `_compute_loss`
+        inside `compute_loss`) they are the outputs of a [`~trl_longstraw.loss.ReplayedScores`] node: back-propagating
+        any loss built on them replays each completion under autograd (`replay_backward`). A full forward of
+        `prompt + completion` under autograd never happens.
+        """
         if any(value is not None for value in multimodal_inputs.values()):
             raise ValueError("LongStrawGRPOTrainer supports text-only inputs; got multimodal tensors.")
+        reference = self._is_reference_pass(model)
+        if torch.is_grad_enabled() and reference:
+            raise RuntimeError(
+                "Got a grad-enabled call scoring the reference model (ref_model, or the policy with its adapter "
+                "disabled). Reference log-probs carry no gradient: score them under torch.no_grad(), as GRPOTrainer "
+                "does."
+            )
         completion_ids = input_ids[:, -logits_to_keep:]
         groups = self._groups(
             input_ids[:, :-logits_to_keep], attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:]
         )
         causal_lm = self._causal_lm(model)
-        phase = "capture_ref" if self._is_reference_pass(model) else "capture"
-        logps, entropies = [], []
-        for group in groups:
-            state, group_logps, group_entropies = self._capture_and_score(causal_lm, group, completion_ids, phase)
-            del state  # one group's state alive at a time
-            logps.append(group_logps)
-            entropies.append(group_entropies)
-        entropies = torch.cat(entropies) if compute_entropy else None
-        return torch.cat(logps), entropies, None
+        logps, entropies, order = self._score_groups(causal_lm, groups, completion_ids, reference)
+        if torch.is_grad_enabled():
+
+            def replay(grad_logps, grad_entropies):
+                self.replay_backward(causal_lm, order[::-1], completion_ids, grad_logps, grad_entropies)
+
+            logps, entropies = replayed_scores(replay, logps, entropies)
+        return logps, entropies if compute_entropy else None, None
 
     # ---------------------------------------------------------------------------------------------------------------
     # The update
     # ---------------------------------------------------------------------------------------------------------------
-    def replay_and_backward(self, model, inputs: dict[str, torch.Tensor | Any]) -> torch.Tensor:
-        """Capture each group once, replay its members serially under autograd, `backward()` per member.
+    def replay_backward(self, causal_lm, groups, completion_ids, grad_logps, grad_entropies) -> None:
+        """Replay each member under autograd and back-propagate `d loss / d logp` (and `d loss / d entropy`).
 
-        `inputs` is what `GRPOTrainer._generate_and_score_completions` returns, the `num_generations` rows of each
-        group consecutive. Returns the detached loss, equal to `GRPOTrainer.compute_loss(model, inputs)`. With
-        `prompt_gradient="exact"` the accumulated `.grad` equals `compute_loss(...).backward()`'s; with "detach",
-        that of the same loss with the prompt state held constant.
+        Groups are replayed in the order given (the last scored first: its state is still alive). A group whose
+        gradient is zero (equal rewards and `beta = 0`, or every member masked) is not replayed, but the optimizer
+        still gets what stock gives it: every parameter the update reaches ends with a gradient, zeros if nothing
+        reached it this step (AdamW skips a parameter whose `.grad` is None: no step count, no weight decay). In
+        exact mode each replayed group then pushes its state's gradient into the parameters (`backward_prompt`).
         """
-        causal_lm = self._causal_lm(model)
-        completion_ids = inputs["completion_ids"]
-        groups = self._groups(inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_mask"])
-
-        # 1. Capture each group and score its members without grad; only the last group's state stays alive.
-        scores, state = [], None
-        for group in groups:
-            del state
-            state, *group_scores = self._capture_and_score(causal_lm, group, completion_ids, "capture")
-            scores.append(group_scores)
-        logps = torch.cat([group_logps for group_logps, _ in scores])
-        entropies = torch.cat([group_entropies for _, group_entropies in scores])
-
-        # 2. TRL's own loss on leaf log-probs: the loss value, its metrics, and d loss / d logp per token.
-        self._loss_leaves = LossLeaves.from_scores(logps, entropies)
-        try:
-            loss = super().compute_loss(model, inputs)
-        finally:
-            leaves, self._loss_leaves = self._loss_leaves, None
-        ensure_finite(loss.detach(), "the GRPO loss computed from the scored log-probs")
-        grad_logps, grad_entropies = leaves.gradients(loss)
-
-        # 3. Replay members one at a time (last group first: its state is still alive), backward each.
-        for group in reversed(groups):
-            rows = group.rows
-            member_grads_zero = not grad_logps[rows.start : rows.stop].any() and (
-                grad_entropies is None or not grad_entropies[rows.start : rows.stop].any()
-            )
-            if member_grads_zero:  # e.g. all-equal rewards with beta=0: the group contributes no gradient
-                state = None
-                continue
-            if state is None:
-                state = self._capture(causal_lm, group, "capture")
-            if self.args.prompt_gradient == "exact":
-                state.requires_grad_()
-            for member, row in enumerate(rows):
-                length = int(group.completion_lengths[member])
-                if length == 0:
+        exact = self.args.prompt_gradient == "exact"
+        replayed = False
+        for name, grad in (("log-probs", grad_logps), ("entropies", grad_entropies)):
+            if grad is not None:
+                ensure_finite(grad, f"the GRPO loss's gradient with respect to the scored {name}")
+        with profiling_context(self, "replay_backward"):
+            for group in groups:
+                rows = torch.tensor(group.rows, device=completion_ids.device)
+                group_grad = None if grad_logps is None else grad_logps[rows.to(grad_logps.device)]
+                group_grad_entropies = (
+                    None if grad_entropies is None else grad_entropies[rows.to(grad_entropies.device)]
+                )
+                if (group_grad is None or not group_grad.any()) and (
+                    group_grad_entropies is None or not group_grad_entropies.any()
+                ):
                     continue
-                with self._telemetry.phase("replay"), self.accelerator.autocast():
-                    member_logps, member_entropies = self.engine.replay(
-                        causal_lm, state, group.prompt_ids[-1:], completion_ids[row], length
+                if group_grad is None:
+                    group_grad = torch.zeros_like(group_grad_entropies)
+                state = self._policy_state(causal_lm, group)
+                if exact:
+                    state.requires_grad_()  # its gradient buffers make it single-use: never kept
+                finite, members = [], []  # one flag per replayed member, checked once per group (no sync per member)
+                with self._phase("replay"):
+                    for member, row in enumerate(group.rows):
+                        length = group.completion_lengths[member]
+                        if length == 0:
+                            continue
+                        with self.accelerator.autocast():
+                            member_logps, member_entropies = self.engine.replay(
+                                causal_lm, state, group.prompt_ids[-1:], completion_ids[row], length
+                            )
+                        finite.append(torch.isfinite(member_logps.detach()).all())
+                        members.append(member)
+                        member_backward(
+                            member_logps,
+                            member_entropies,
+                            group_grad[member, :length],
+                            None if group_grad_entropies is None else group_grad_entropies[member, :length],
+                        )
+                        replayed = True
+                    if finite:
+                        ensure_finite_members(torch.stack(finite), "phase 'replay'", group, members)
+                if exact:
+                    with self._phase("prompt_backward"), self.accelerator.autocast():
+                        self.engine.backward_prompt(causal_lm, state, group.prompt_ids)
+                else:
+                    self._kept = _KeptState(group, state)
+                del state
+            self._give_every_reached_parameter_a_gradient(causal_lm, groups, completion_ids, replayed)
+            if self.accelerator.sync_gradients:
+                average_gradients(self._reached)
+
+    def _give_every_reached_parameter_a_gradient(self, causal_lm, groups, completion_ids, replayed: bool) -> None:
+        """Zero `.grad` for every parameter a backward reaches and that none reached this time, as stock's would be.
+
+        Which parameters a backward reaches is a property of the model (e.g. DSA indexers run under no_grad and get
+        none, in stock too), learned once: from the first backward that replayed anything, or, if the first one
+        replays nothing, from one member replayed with a zero gradient.
+        """
+        if self._reached is None:
+            if not replayed:
+                group = groups[0]
+                state = self._policy_state(causal_lm, group)
+                with self.accelerator.autocast():
+                    logps, _ = self.engine.replay(
+                        causal_lm, state, group.prompt_ids[-1:], completion_ids[group.rows[0]], 1
                     )
-                    ensure_finite(member_logps.detach(), f"phase 'replay', group {group.index}, member {member}")
-                    member_backward(
-                        member_logps,
-                        member_entropies,
-                        grad_logps[row, :length],
-                        None if grad_entropies is None else grad_entropies[row, :length],
-                    )
-            if self.args.prompt_gradient == "exact":
-                with self._telemetry.phase("prompt_backward"), self.accelerator.autocast():
-                    self.engine.backward_prompt(causal_lm, state, group.prompt_ids)
-            state = None
-        if self.accelerator.sync_gradients:
-            average_gradients(causal_lm)
+                member_backward(logps, None, torch.zeros_like(logps), None)
+                self._kept = _KeptState(group, state)
+                del state
+            self._reached = [p for p in causal_lm.parameters() if p.requires_grad and p.grad is not None]
+        for param in self._reached:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+
+    def replay_and_backward(self, model, inputs: dict[str, torch.Tensor | Any]) -> torch.Tensor:
+        """`compute_loss(model, inputs).backward()`, returning the detached loss: the update of one micro-batch.
+
+        `Trainer.training_step` does the same (through `accelerator.backward`); this is the explicit entry point for
+        benchmarks and tests. With `prompt_gradient="exact"` the accumulated `.grad` equals stock `GRPOTrainer`'s;
+        with "detach", that of the same loss with the prompt state held constant.
+        """
+        loss = self.compute_loss(model, inputs)
+        ensure_finite(loss.detach(), "the GRPO loss computed from the scored log-probs")
+        loss.backward()
         return loss.detach()
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        """`Trainer.training_step` with `replay_and_backward` in place of `compute_loss` + `backward`."""
-        time_before = time.perf_counter()
-        model.train()
-        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
-            self.optimizer.train()
-        inputs = self._prepare_inputs(inputs)
-        with self.compute_loss_context_manager():
-            loss = self.replay_and_backward(model, inputs)
-        del inputs
-        # GRPOTrainer.training_step's bookkeeping
-        self._step += 1
-        self._current_train_step_time += time.perf_counter() - time_before
-        if self._step % self.current_gradient_accumulation_steps == 0:
-            self._metrics["train"]["step_time"].append(self._current_train_step_time)
-            self._current_train_step_time = 0.0
-        self._flush_telemetry()
-        return loss
+    # ---------------------------------------------------------------------------------------------------------------
+    # Cheap checks before generation, telemetry per mode
+    # ---------------------------------------------------------------------------------------------------------------
+    def _tokenize_prompts(self, prompts: list):
+        """GRPOTrainer's tokenization, then the position check, before any completion is generated."""
+        prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
+        self._check_positions(self.model.config, self.args, prompt_width=max(len(ids) for ids in prompt_ids))
+        return prompt_ids, images, multimodal_fields
 
-    def _prepare_inputs(self, generation_batch):
-        """GRPOTrainer's buffering, with groups shuffled whole so no micro-step splits a group."""
-        if not self.model.training:
-            return self._generate_and_score_completions(generation_batch)
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
-            batch = self._generate_and_score_completions(generation_batch)
-            batch = shuffle_groups(batch, self.num_generations)
-            self._buffered_inputs = split_tensor_dict(batch, self.args.steps_per_generation)
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+    def _generate_and_score_completions(self, inputs):
+        self._kept = None  # generation needs the memory, and the weights may have moved since
+        return super()._generate_and_score_completions(inputs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self._mode() == "eval":  # one evaluation's phases, logged with it (train flushes per optimizer step)
+            self._flush_telemetry("eval")
+        super().log(logs, start_time)

@@ -1,0 +1,97 @@
+"""Telemetry users can trust: per mode, per phase, measured inside the phase, and no process-wide counter reset."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
+from trl_longstraw.telemetry import PhaseTelemetry
+
+from .conftest import length_reward, make_trainer, synthetic_inputs, trainer_args
+
+_MIB = 1024**2
+HAS_PROC = os.path.exists("/proc/self/statm")
+
+
+def rss_high_water_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+@pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
+def test_a_spike_inside_a_phase_is_measured_as_that_phase_s(tmp_path):
+    telemetry = PhaseTelemetry(torch.device("cpu"))
+    with telemetry.phase("replay", "train"):
+        spike = torch.ones(64 * _MIB)  # 256 MiB, touched
+        time.sleep(0.05)  # several sampling intervals
+        del spike
+    with telemetry.phase("score", "train"):
+        pass
+    metrics = telemetry.flush("train")
+    assert metrics["longstraw/replay/rss_added_gib"] >= 0.2
+    assert metrics["longstraw/score/rss_added_gib"] < 0.05
+    assert metrics["longstraw/replay/count"] == 1 and metrics["longstraw/replay/time_s"] >= 0.05
+
+
+def test_train_and_eval_accumulate_separately():
+    telemetry = PhaseTelemetry(torch.device("cpu"))
+    with telemetry.phase("capture", "eval"):
+        pass
+    telemetry.record_state(1024**3, "eval")
+    assert telemetry.flush("train") == {}
+    eval_metrics = telemetry.flush("eval")
+    assert eval_metrics["longstraw/capture/count"] == 1 and eval_metrics["longstraw/prompt_state_gib"] == 1.0
+
+
+@pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
+def test_the_update_resets_no_process_wide_counter(fresh_model, tokenizer, prompt_dataset, tmp_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("LongStraw reset CUDA's peak memory statistics")
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", refuse)
+    trainer = make_trainer(LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path)
+    spike = torch.ones(128 * _MIB)  # raise the kernel's RSS high-water mark by 512 MiB, then free it
+    del spike
+    high_water = rss_high_water_bytes()
+    trainer.replay_and_backward(trainer.model, synthetic_inputs(len(tokenizer)))
+    assert rss_high_water_bytes() >= high_water  # nothing wrote /proc/self/clear_refs
+
+
+@pytest.mark.slow
+def test_evaluation_phases_are_logged_with_evaluation_not_folded_into_training(
+    fresh_model, tokenizer, prompt_dataset, tmp_path
+):
+    runs = {}
+    for evaluate in (False, True):
+        trainer = LongStrawGRPOTrainer(
+            model=fresh_model(),
+            reward_funcs=length_reward,
+            args=trainer_args(
+                LongStrawGRPOConfig,
+                tmp_path / str(evaluate),
+                max_steps=2,
+                eval_strategy="steps" if evaluate else "no",
+                eval_steps=1,
+                per_device_eval_batch_size=3,
+            ),
+            train_dataset=prompt_dataset,
+            eval_dataset=prompt_dataset if evaluate else None,
+            processing_class=tokenizer,
+        )
+        trainer.train()
+        runs[evaluate] = trainer.state.log_history
+    train_counts = {
+        evaluate: [entry["longstraw/capture/count"] for entry in history if "loss" in entry]
+        for evaluate, history in runs.items()
+    }
+    assert train_counts[True] == train_counts[False]  # evaluation's captures are not in the training steps
+    eval_logs = [entry for entry in runs[True] if "eval_loss" in entry]
+    assert len(eval_logs) == 2
+    for entry in eval_logs:
+        assert entry["eval_longstraw/capture/count"] > 0 and entry["eval_longstraw/score/time_s"] > 0
+        assert entry["eval_longstraw/capture/rss_peak_gib"] > 0 and "eval_longstraw/prompt_state_gib" in entry
