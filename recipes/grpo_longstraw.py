@@ -23,7 +23,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
-from trl_longstraw.embedded import build_model, build_tokenizer
+from trl_longstraw.embedded import FAMILIES, build_model, build_tokenizer
 from trl_longstraw.telemetry import PHASES, PREFIX
 
 EMBEDDED = "embedded"
@@ -60,9 +60,9 @@ class LongStrawScriptArguments:
     embedded_model_type: str = field(
         default="qwen3_5",
         metadata={
-            "help": "Architecture of the embedded tiny random-weight model, used when `model_name_or_path` is unset "
-            f"or '{EMBEDDED}'.",
-            "choices": ["qwen3", "llama", "qwen3_5"],
+            "help": "Family of the embedded tiny random-weight model (any of trl_longstraw.embedded.FAMILIES), used "
+            f"when `model_name_or_path` is unset or '{EMBEDDED}'.",
+            "choices": list(FAMILIES),
         },
     )
 

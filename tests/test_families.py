@@ -21,6 +21,7 @@ from trl_longstraw.state import ConvRecurrentState
 
 from .conftest import max_relative_error
 from .reference import DetachedReferenceTrainer, run_pair
+from .test_engine import case, full_forward
 
 # Recurrent families: the gradients of A_log / dt_bias (and Mamba's D) are tiny sums with heavy cancellation, which
 # two exact orderings of the same math disagree on far above rounding: compare them against 1e-3 of the global norm.
@@ -40,27 +41,6 @@ def eager_and_prepared(family, **overrides):
     return with_fused_head(eager), with_fused_head(prepare_model(model))
 
 
-def full_forward(model, prompt, completions, lengths, offset):
-    """Stock path: one forward of prompt + completion per member, log-probs of the completion tokens."""
-    rows = []
-    for completion, length in zip(completions, lengths, strict=True):
-        ids = torch.cat([prompt, completion])[None]
-        labels = ids.clone()
-        labels[:, : prompt.numel()] = -100
-        labels[:, prompt.numel() + int(length) :] = -100
-        positions = torch.arange(offset, offset + ids.shape[1])[None]
-        out = model(input_ids=ids, position_ids=positions, labels=labels, fused_lm_head=True)
-        rows.append(out.log_probs[0, -completions.shape[1] :])
-    return torch.stack(rows)
-
-
-def case(seed=0, prompt_length=29, completion_width=7, vocab=100):
-    generator = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(2, vocab, (prompt_length,), generator=generator)
-    completions = torch.randint(2, vocab, (3, completion_width), generator=generator)
-    return prompt, completions, torch.tensor([completion_width, 3, 5])
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("prefill_chunk, attention_chunk", [(1000, 1000), (4, 3)])
 def test_level2_scores_equal_a_full_eager_forward(family, prefill_chunk, attention_chunk):
@@ -68,7 +48,7 @@ def test_level2_scores_equal_a_full_eager_forward(family, prefill_chunk, attenti
     prompt, completions, lengths = case()
     engine = LongStrawEngine(prefill_chunk, attention_chunk)
     with torch.no_grad():
-        want = full_forward(eager, prompt, completions, lengths, offset=5)
+        want, _ = full_forward(eager, prompt, completions, lengths, offset=5)
         state = engine.capture(model, prompt, first_position=5)
         logps, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=2)
     assert (logps - want).abs().max() <= 1e-5
@@ -82,7 +62,7 @@ def test_level2_sparse_dsa_selection(family):
     prompt, completions, lengths = case()
     engine = LongStrawEngine(7, 5)
     with torch.no_grad():
-        want = full_forward(eager, prompt, completions, lengths, offset=0)
+        want, _ = full_forward(eager, prompt, completions, lengths, offset=0)
         logps, _ = engine.score(model, engine.capture(model, prompt, 0), prompt[-1:], completions, lengths, 1)
     assert (logps - want).abs().max() <= 1e-5
 
