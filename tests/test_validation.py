@@ -21,11 +21,17 @@ from .conftest import make_trainer, synthetic_inputs, trainer_args
         ("prefill_chunk_size", 0, "prefill_chunk_size=0"),
         ("attention_chunk_size", -1, "attention_chunk_size=-1"),
         ("prompt_state_device", "gpu7", "prompt_state_device='gpu7'"),
+        ("prompt_state_dtype", "int8", "prompt_state_dtype='int8' is not supported"),
     ],
 )
 def test_config_rejects_bad_fields(field, value, message, tmp_path):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         trainer_args(LongStrawGRPOConfig, tmp_path, **{field: value})
+
+
+def test_fp8_prompt_state_with_the_exact_gradient_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="prompt_state_dtype='float8_e4m3fn' with prompt_gradient='exact'"):
+        trainer_args(LongStrawGRPOConfig, tmp_path, prompt_state_dtype="float8_e4m3fn", prompt_gradient="exact")
 
 
 def test_stock_config_is_refused(tmp_path, tokenizer, prompt_dataset, fresh_model):

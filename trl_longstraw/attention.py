@@ -85,12 +85,14 @@ def visible_keys(q_positions: torch.Tensor, k_positions: torch.Tensor, visibilit
 class KeyBlock:
     """One set of keys the queries attend to, besides its tensors: their absolute `positions [keys]`, whether they are
     `shared` by every batch row (the prompt's pages, `[kv_heads, keys, d]`) or one set per row (the forward's own
-    tokens, `[batch * kv_heads, keys, d]`), and an optional DSA `selection(start, end) -> bool [batch, tokens,
-    end - start]` of the keys each token's top-k picked."""
+    tokens, `[batch * kv_heads, keys, d]`), an optional DSA `selection(start, end) -> bool [batch, tokens,
+    end - start]` of the keys each token's top-k picked, and for fp8 pages `dequantize(keys_chunk, values_chunk,
+    start) -> (keys, values)` in the compute dtype, applied chunk by chunk as the block is read."""
 
     positions: torch.Tensor
     shared: bool
     selection: Callable[[int, int], torch.Tensor] | None = None
+    dequantize: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None  # fp8 pages
 
 
 class _Fold:
@@ -288,11 +290,15 @@ def _chunks(q, keys, values, block: KeyBlock, fold: _Fold, q_positions, visibili
     selection = fold.selection(block.selection)
     for start in range(0, keys.shape[1], chunk_size):
         end = min(start + chunk_size, keys.shape[1])
+        chunk_keys = keys[:, start:end].to(q.device, non_blocking=True)
+        chunk_values = values[:, start:end].to(q.device, non_blocking=True)
+        if block.dequantize is not None:
+            chunk_keys, chunk_values = block.dequantize(chunk_keys, chunk_values, start)
         yield (
             slice(start, end),
             _Chunk(
-                keys[:, start:end].to(q.device, non_blocking=True),
-                values[:, start:end].to(q.device, non_blocking=True),
+                chunk_keys,
+                chunk_values,
                 row_positions,
                 block.positions[start:end],
                 visibility,

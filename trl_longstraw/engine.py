@@ -89,12 +89,15 @@ class LongStrawEngine:
         attention_chunk_size: prompt keys per step of the prefix attention; bounds its score matrix.
         state_device: where prompt state lives (`None`: the model's device).
         prompt_gradient: "detach" (state is a constant) or "exact" (state gradients pushed into the parameters).
+        prompt_state_dtype: "auto" (the model's dtype) or "float8_e4m3fn" (attention K/V pages in fp8 with
+            per-(page, head) scales, dequantised chunk by chunk as read; detach mode only).
     """
 
     prefill_chunk_size: int
     attention_chunk_size: int
     state_device: torch.device | None = None
     prompt_gradient: Literal["detach", "exact"] = "detach"
+    prompt_state_dtype: Literal["auto", "float8_e4m3fn"] = "auto"
 
     @staticmethod
     def _device(model: nn.Module) -> torch.device:
@@ -112,6 +115,7 @@ class LongStrawEngine:
             device=self.state_device or self._device(model),
             weights_version=weights_version(model),
             exact=self.prompt_gradient == "exact",
+            fp8_pages=self.prompt_state_dtype == "float8_e4m3fn",
         )
         for chunk_index, start in enumerate(range(0, num_tokens, self.prefill_chunk_size)):
             end = min(start + self.prefill_chunk_size, num_tokens)

@@ -194,6 +194,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             attention_chunk_size=args.attention_chunk_size,
             state_device=state_device,
             prompt_gradient=args.prompt_gradient,
+            prompt_state_dtype=args.prompt_state_dtype,
         )
         self._telemetry = PhaseTelemetry(
             self.accelerator.device, enabled=args.log_phase_metrics, synchronize=args.sync_phase_metrics

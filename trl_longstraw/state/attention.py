@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..attention import KeyBlock, Visibility, attention_over_blocks
-from .placement import Pages
+from .placement import FP8_PAGE_TOKENS, Pages, dequantize_pages
 from .registry import LayerAccount, LayerState, UnsupportedModelError, find_child, register_state_kind
 
 ATTENTION_LAYER_TYPES = (None, "full_attention", "sliding_attention", "chunked_attention", "hybrid")
@@ -60,7 +60,7 @@ class AttentionPages(LayerState):
         return mixer
 
     @classmethod
-    def account(cls, mixer, config, layer_type, dtype_bytes, exact):
+    def account(cls, mixer, config, layer_type, dtype_bytes, exact):  # fp8 pages: see accounting.py
         head_dim = getattr(mixer, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         per_token = 2 * kv_heads * head_dim * dtype_bytes
@@ -105,7 +105,14 @@ class AttentionPages(LayerState):
         blocks = []
         if limit > 0:
             page_positions = torch.arange(self.start_position, self.start_position + limit, device=query.device)
-            blocks.append((self.key.read(limit), self.value.read(limit), KeyBlock(page_positions, shared=True)))
+            dequantize = self._dequantizer(query.dtype) if self.key.fp8 else None
+            blocks.append(
+                (
+                    self.key.read(limit),
+                    self.value.read(limit),
+                    KeyBlock(page_positions, shared=True, dequantize=dequantize),
+                )
+            )
         # Each batch row has its own suffix keys: one key set per (row, kv head).
         own_keys = key.reshape(batch * kv_heads, tokens, -1)
         own_values = value.reshape(batch * kv_heads, tokens, -1)
@@ -126,6 +133,17 @@ class AttentionPages(LayerState):
             access.recorded[self] = (key[0], value[0])
         return out
 
+    def _dequantizer(self, dtype: torch.dtype):
+        """fp8 pages: each chunk's keys and values in `dtype`, with their pages' scales, as attention reads them."""
+
+        def dequantize(keys: torch.Tensor, values: torch.Tensor, start: int):
+            return (
+                dequantize_pages(keys, self.key.scales, start, FP8_PAGE_TOKENS, dtype),
+                dequantize_pages(values, self.value.scales, start, FP8_PAGE_TOKENS, dtype),
+            )
+
+        return dequantize
+
     def _keep_from(self, visibility: Visibility, appended: int) -> int:
         """Index (after appending `appended` entries) of the first entry a later token can still read."""
         next_position = self.start_position + self.length + appended
@@ -141,8 +159,9 @@ class AttentionPages(LayerState):
         if self.key is None:
             self.rolling = visibility.windowed() and not self.prompt.exact
             capacity = None if self.rolling else self.prompt.num_tokens
-            self.key = Pages(self.prompt.placement, capacity)
-            self.value = Pages(self.prompt.placement, capacity)
+            fp8 = self.prompt.fp8_pages and not self.rolling  # a window's few entries stay in the model dtype
+            self.key = Pages(self.prompt.placement, capacity, fp8=fp8)
+            self.value = Pages(self.prompt.placement, capacity, fp8=fp8)
         keep_from = self._keep_from(visibility, key.shape[1]) if self.rolling else 0
         self.key.append(key, keep_from)
         self.start_position += self.value.append(value, keep_from)

@@ -8,11 +8,41 @@ later token can still read: a sliding window, the current attention chunk).
 
 Finiteness is checked as the state is written, chunk by chunk, into a device flag that is read once per capture, so
 a NaN in a 100 GiB state is found without scanning it again and without a device sync per chunk.
+
+fp8 pages (`prompt_state_dtype="float8_e4m3fn"`): entries are stored in `float8_e4m3fn` with one fp32 scale per
+(page of `FP8_PAGE_TOKENS` tokens, head), `scale = amax / 448` (the format's largest finite value), and dequantised
+chunk by chunk as attention reads them: a full-precision copy of the prefix never exists (only the last, partly
+filled page is held in full precision during capture, so that a page filled by two capture chunks is quantised once,
+from all its entries: the pages do not depend on `prefill_chunk_size`).
 """
 
 from __future__ import annotations
 
 import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max
+FP8_PAGE_TOKENS = 64
+
+
+def quantize_pages(values: torch.Tensor, page_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`values [heads, tokens, dim]` (tokens a multiple of `page_tokens`, or one partial last page) as fp8 entries and
+    `[heads, pages]` fp32 scales, one per (page, head)."""
+    heads, tokens, dim = values.shape
+    pages = -(-tokens // page_tokens)
+    padded = torch.nn.functional.pad(values.float(), (0, 0, 0, pages * page_tokens - tokens))
+    amax = padded.view(heads, pages, page_tokens, dim).abs().amax(dim=(2, 3))
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    per_token = scales.repeat_interleave(page_tokens, dim=1)[:, :tokens, None]
+    return (values.float() / per_token).to(FP8_DTYPE), scales
+
+
+def dequantize_pages(
+    entries: torch.Tensor, scales: torch.Tensor, start: int, page_tokens: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """fp8 `entries [heads, n, dim]` at token offset `start`, in `dtype`, with their pages' scales `[heads, pages]`."""
+    pages = torch.arange(start, start + entries.shape[1], device=scales.device) // page_tokens
+    return (entries.to(torch.float32) * scales[:, pages, None].to(entries.device)).to(dtype)
 
 
 class Placement:
@@ -48,19 +78,28 @@ class Pages:
     """`[heads, tokens, dim]` entries of one layer, appended along the token dimension during capture.
 
     `capacity` given: preallocated, written in place. `capacity=None`: rolling; `append` then keeps only the entries
-    from `keep_from` (an index into the entries after the append) on, as a compact copy.
+    from `keep_from` (an index into the entries after the append) on, as a compact copy. `fp8=True` (preallocated
+    only): entries in `float8_e4m3fn` with per-(page, head) `scales` (module docstring).
     """
 
-    def __init__(self, placement: Placement, capacity: int | None):
+    def __init__(self, placement: Placement, capacity: int | None, fp8: bool = False):
+        if fp8 and capacity is None:
+            raise ValueError("fp8 pages are preallocated: a rolling window keeps its few entries in the model dtype")
         self.placement = placement
         self.capacity = capacity
+        self.fp8 = fp8
         self.data: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None  # fp8: [heads, pages] fp32
+        self._tail: torch.Tensor | None = None  # fp8: full-precision entries of the last, partly filled page
         self.length = 0
 
     def append(self, values: torch.Tensor, keep_from: int = 0) -> int:
         """Write `values [heads, tokens, dim]` after the current entries; returns how many old entries were dropped."""
         self.placement.check(values)
         values = values.detach().to(self.placement.device)
+        if self.fp8:
+            self._append_fp8(values)
+            return 0
         if self.capacity is not None:
             if self.data is None:
                 self.data = self.placement.allocate(values, (values.shape[0], self.capacity, values.shape[-1]))
@@ -73,6 +112,25 @@ class Pages:
         self.length = self.data.shape[1]
         return keep_from
 
+    def _append_fp8(self, values: torch.Tensor) -> None:
+        heads, dim = values.shape[0], values.shape[-1]
+        if self.data is None:
+            self.data = self.placement.allocate(values.to(FP8_DTYPE), (heads, self.capacity, dim))
+            pages = -(-self.capacity // FP8_PAGE_TOKENS)
+            self.scales = torch.ones((heads, pages), dtype=torch.float32, device=self.placement.device)
+        # A partly filled page is quantised again with its new entries, from the full-precision values of that page
+        # alone (`_tail`, under one page): the pages do not depend on how the capture was chunked.
+        first = self.length // FP8_PAGE_TOKENS * FP8_PAGE_TOKENS
+        if self._tail is not None:
+            values = torch.cat([self._tail, values], dim=1)
+        end = first + values.shape[1]
+        entries, scales = quantize_pages(values, FP8_PAGE_TOKENS)
+        self.data[:, first:end] = entries
+        self.scales[:, first // FP8_PAGE_TOKENS : first // FP8_PAGE_TOKENS + scales.shape[1]] = scales
+        partial = end % FP8_PAGE_TOKENS
+        self._tail = values[:, values.shape[1] - partial :].clone() if partial else None
+        self.length = end
+
     def read(self, limit: int | None = None) -> torch.Tensor | None:
         """The first `limit` entries (all by default), still on the state's device."""
         if self.data is None:
@@ -80,4 +138,4 @@ class Pages:
         return self.data[:, : self.length if limit is None else limit]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [] if self.data is None else [self.data]
+        return [t for t in (self.data, self.scales) if t is not None]

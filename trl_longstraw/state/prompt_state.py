@@ -43,8 +43,14 @@ class PromptState:
         device: torch.device,
         weights_version: int,
         exact: bool,
+        fp8_pages: bool = False,
     ):
-        self.geometry = PromptGeometry(num_tokens, start_position, Placement(device), exact)
+        if exact and fp8_pages:
+            raise ValueError(
+                "fp8 prompt-state pages with the exact prompt gradient: the state's gradient is accumulated on its "
+                "tensors, which fp8 cannot hold. Use prompt_state_dtype='auto' with prompt_gradient='exact'."
+            )
+        self.geometry = PromptGeometry(num_tokens, start_position, Placement(device), exact, fp8_pages)
         self.weights_version = weights_version
         self.layers: list[LayerState] = [
             kind(mixer, plan.layer_idx, plan.layer_type, self.geometry) for plan in plans for kind, mixer in plan.kinds

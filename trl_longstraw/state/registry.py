@@ -100,6 +100,7 @@ class PromptGeometry:
     start_position: int  # absolute position of the first captured token (= the first real prompt token)
     placement: Placement
     exact: bool  # the exact prompt gradient needs every entry and every chunk boundary
+    fp8_pages: bool = False  # per-token pages in float8_e4m3fn with per-(page, head) scales (detach mode only)
 
 
 STATE_KINDS: dict[str, type[LayerState]] = {}

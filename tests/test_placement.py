@@ -1,0 +1,86 @@
+"""Where a prompt state lives and how it is stored: fp8 pages with per-(page, head) scales."""
+
+import pytest
+import torch
+
+from trl_longstraw.embedded import build_model
+from trl_longstraw.engine import LongStrawEngine
+from trl_longstraw.state.placement import FP8_MAX, FP8_PAGE_TOKENS, Pages, Placement, dequantize_pages
+
+from .test_engine import case, prepared
+
+
+def spread_values(tokens=300):
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(2, tokens, 16, generator=generator) * torch.linspace(0.1, 10, tokens)[None, :, None]
+
+
+def test_fp8_pages_do_not_depend_on_how_the_capture_was_chunked():
+    values = spread_values()
+    whole = Pages(Placement("cpu"), 300, fp8=True)
+    whole.append(values)
+    chunked = Pages(Placement("cpu"), 300, fp8=True)
+    for start in range(0, 300, 37):  # chunks that straddle page boundaries
+        chunked.append(values[:, start : start + 37])
+    assert torch.equal(whole.data.view(torch.uint8), chunked.data.view(torch.uint8))
+    assert torch.equal(whole.scales, chunked.scales)
+
+
+def test_fp8_pages_round_each_entry_within_its_page_scale():
+    values = spread_values()
+    pages = Pages(Placement("cpu"), 300, fp8=True)
+    pages.append(values)
+    restored = dequantize_pages(pages.data, pages.scales, 0, FP8_PAGE_TOKENS, torch.float32)
+    per_token_amax = (pages.scales * FP8_MAX).repeat_interleave(FP8_PAGE_TOKENS, dim=1)[:, :300, None]
+    # e4m3 keeps 3 mantissa bits: an entry is off by at most 2^-4 of the largest value of its page (and head)
+    assert torch.all((restored - values).abs() <= per_token_amax * 2**-4 + 1e-12)
+    assert pages.data.dtype == torch.float8_e4m3fn and pages.scales.shape == (2, -(-300 // FP8_PAGE_TOKENS))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gpt_oss"])
+def test_fp8_state_halves_the_pages_and_scores_close_to_the_model_dtype(family):
+    model = prepared(build_model(family, dtype=torch.bfloat16))
+    prompt, completions, lengths = case(prompt_length=257)
+    exact_pages, fp8_pages = LongStrawEngine(64, 50), LongStrawEngine(64, 50, prompt_state_dtype="float8_e4m3fn")
+    with torch.no_grad():
+        state = exact_pages.capture(model, prompt, 0)
+        want, _ = exact_pages.score(model, state, prompt[-1:], completions, lengths, 3)
+        fp8_state = fp8_pages.capture(model, prompt, 0)
+        got, _ = fp8_pages.score(model, fp8_state, prompt[-1:], completions, lengths, 3)
+    full = [
+        t for layer in state.layers if type(layer).name == "attention" and not layer.rolling for t in layer.tensors()
+    ]
+    fp8 = [
+        t
+        for layer in fp8_state.layers
+        if type(layer).name == "attention" and not layer.rolling
+        for t in layer.tensors()
+    ]
+    full_bytes = sum(t.numel() * t.element_size() for t in full)
+    fp8_bytes = sum(t.numel() * t.element_size() for t in fp8)
+    assert fp8_bytes <= 0.55 * full_bytes  # 1 byte instead of 2, plus one fp32 scale per 64 tokens and head
+    assert (got.float() - want.float()).abs().max() <= 0.05
+
+
+def test_fp8_state_replays_in_detach_mode_and_stays_unchanged():
+    model = prepared(build_model("qwen3"))
+    prompt, completions, lengths = case(prompt_length=100)
+    engine = LongStrawEngine(30, 20, prompt_state_dtype="float8_e4m3fn")
+    state = engine.capture(model, prompt, 0)
+    before = [t.clone() for t in state.tensors()]
+    scored, _ = engine.score(model, state, prompt[-1:], completions, lengths, 1)
+    logps, _ = engine.replay(model, state, prompt[-1:], completions[0], int(lengths[0]))
+    logps.sum().backward()
+    assert torch.allclose(logps.detach(), scored[0], atol=1e-6)
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else torch.equal(a, b)
+        for a, b in zip(before, state.tensors(), strict=True)
+    )
+
+
+def test_fp8_state_with_the_exact_prompt_gradient_is_refused():
+    with pytest.raises(ValueError, match="fp8 prompt-state pages with the exact prompt gradient"):
+        LongStrawEngine(8, 8, prompt_gradient="exact", prompt_state_dtype="float8_e4m3fn").capture(
+            prepared(build_model("qwen3")), case()[0], 0
+        )
