@@ -75,14 +75,19 @@ def test_state_holds_kv_pages_of_all_but_the_last_prompt_token():
     assert state.nbytes() == per_token * 39
 
 
-def test_stale_state_is_refused():
+@pytest.mark.parametrize(
+    "optimizer", [dict(name="SGD"), dict(name="AdamW", foreach=False), dict(name="AdamW", fused=True)]
+)
+def test_stale_state_is_refused(optimizer):
+    """Fused AdamW (TRL's default) writes the weights without moving their autograd version counters."""
+    optimizer = dict(optimizer)
     model = prepared(build_model("qwen3"))
     prompt, completions, lengths = case()
     engine = LongStrawEngine(8, 8)
     state = engine.capture(model, prompt, first_position=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = getattr(torch.optim, optimizer.pop("name"))(model.parameters(), lr=0.1, **optimizer)
     model.lm_head.weight.grad = torch.ones_like(model.lm_head.weight)
-    optimizer.step()
+    step.step()
     with pytest.raises(StaleStateError, match="Capture the prompt again"):
         engine.replay(model, state, prompt[-1:], completions[0], int(lengths[0]))
 

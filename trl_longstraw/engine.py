@@ -23,6 +23,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .attention import ATTENTION_IMPLEMENTATION, STATE_KWARG, register_attention
 from .state import PromptState, StateAccess, UnpreparedModelError, plan_layers
@@ -40,13 +41,29 @@ def ensure_finite(values: torch.Tensor, where: str) -> None:
         )
 
 
-def weights_version(model: nn.Module) -> int:
-    """A counter that moves whenever any parameter is modified in place (optimizer steps, weight syncs).
+_optimizer_steps = 0
 
-    Uses each tensor's autograd version counter, the same one autograd relies on to detect in-place modification
-    of saved tensors, so it needs no hook on the optimizer and catches every writer.
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+# Every `torch.optim` step anywhere in the process, fused and foreach ones included: those write the parameters
+# without moving their autograd version counters (measured: fused AdamW leaves `_version` unchanged).
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def weights_version(model: nn.Module) -> tuple[int, int]:
+    """A stamp that moves whenever the weights may have changed: `(optimizer steps in this process, the sum of the
+    parameters' autograd version counters)`.
+
+    The version counters (what autograd uses to detect in-place modification of saved tensors) catch every in-place
+    writer that goes through autograd's view of the tensor (SGD, foreach and single-tensor AdamW, `copy_` syncs); the
+    global optimizer-step count catches the fused optimizers, which bypass them (TRL's default, `adamw_torch_fused`).
+    Writes through `.data` bypass both: do not write weights that way between a capture and its replays.
     """
-    return sum(p._version for p in model.parameters())
+    return _optimizer_steps, sum(p._version for p in model.parameters())
 
 
 def prepare_model(model: nn.Module) -> nn.Module:

@@ -453,7 +453,15 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 member_backward(logps, None, torch.zeros_like(logps), None)
                 self._kept = _KeptState(group, state)
                 del state
-            self._reached = [p for p in causal_lm.parameters() if p.requires_grad and p.grad is not None]
+            trainable = [p for p in causal_lm.parameters() if p.requires_grad]
+            reached = torch.tensor(
+                [p.grad is not None for p in trainable], dtype=torch.int32, device=self.accelerator.device
+            )
+            # Every rank must average the same parameters in the same order: the union of what each rank's backward
+            # reached (a rank whose groups happened not to route through some expert still averages its zeros).
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(reached, op=torch.distributed.ReduceOp.MAX)
+            self._reached = [p for p, hit in zip(trainable, reached.tolist(), strict=True) if hit]
         for param in self._reached:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)

@@ -41,7 +41,7 @@ class PromptState:
         num_tokens: int,
         start_position: int,
         device: torch.device,
-        weights_version: int,
+        weights_version: tuple[int, int],
         exact: bool,
         fp8_pages: bool = False,
     ):
@@ -111,7 +111,7 @@ class PromptState:
                 "model, or call trl_longstraw.engine.prepare_model(model)."
             )
 
-    def check_fresh(self, weights_version: int) -> None:
+    def check_fresh(self, weights_version: tuple[int, int]) -> None:
         if weights_version != self.weights_version:
             raise StaleStateError(
                 f"The prompt state was captured under weights version {self.weights_version} but the weights are now "
