@@ -124,3 +124,15 @@ def test_reference_models_load_with_an_attention_that_implements_their_features(
         build_model(family).save_pretrained(tmp_path / family)
         loaded = AutoModelForCausalLM.from_pretrained(tmp_path / family)
         assert loaded.config._attn_implementation == "eager", family
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma2", "qwen3", "mistral"])
+def test_forwards_without_prompt_state_run_as_stock(family):
+    """Generation runs the registered attention without a state: SDPA, or the model's own eager attention where SDPA
+    cannot express the family (sinks, soft-capping); both give the eager model's log-probs."""
+    eager, model = eager_and_prepared(family)
+    prompt, completions, lengths = case()
+    with torch.no_grad():
+        want, _ = full_forward(eager, prompt, completions, lengths, offset=2)
+        got, _ = full_forward(model, prompt, completions, lengths, offset=2)
+    assert (got - want).abs().max() <= 1e-5

@@ -460,18 +460,9 @@ def _stock_attention(
     indices = kw.pop("indices", None)
     if indices is not None:  # DSA top-k: transformers turns it into a mask only for its own eager/sdpa names
         attention_mask = _restrict_to_selection(attention_mask, indices, key.shape[2])
+    common = {"scaling": scaling, "dropout": dropout, "sliding_window": sliding_window, **kw}
     if sinks is None and softcap is None:
-        return sdpa_attention_forward(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            scaling=scaling,
-            dropout=dropout,
-            sliding_window=sliding_window,
-            **kw,
-        )
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **common)
     # The modeling file's own eager attention implements its sinks / soft-capping; it adds the mask to the scores.
     eager = sys.modules[type(module).__module__].eager_attention_forward
     if attention_mask is None:  # SDPA's mask may be skipped in favour of `is_causal`; eager needs it spelled out
@@ -484,18 +475,7 @@ def _stock_attention(
             ~attention_mask, torch.finfo(query.dtype).min
         )
     extra = {"s_aux": sinks} if sinks is not None else {"softcap": softcap}
-    return eager(
-        module,
-        query,
-        key,
-        value,
-        attention_mask,
-        scaling=scaling,
-        dropout=dropout,
-        sliding_window=sliding_window,
-        **extra,
-        **kw,
-    )
+    return eager(module, query, key, value, attention_mask, **extra, **common)
 
 
 def _restrict_to_selection(attention_mask: torch.Tensor, indices: torch.Tensor, num_keys: int) -> torch.Tensor:
