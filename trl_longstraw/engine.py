@@ -33,12 +33,16 @@ class NonFiniteError(FloatingPointError):
     """A NaN or infinity appeared in a phase of the LongStraw update."""
 
 
+def non_finite_error(where: str) -> NonFiniteError:
+    return NonFiniteError(
+        f"Non-finite values (NaN or inf) in {where}. Check the inputs and the weights (a learning rate that is "
+        "too high, fp16 overflow); lower the learning rate or train in bf16/fp32."
+    )
+
+
 def ensure_finite(values: torch.Tensor, where: str) -> None:
     if not torch.isfinite(values).all():
-        raise NonFiniteError(
-            f"Non-finite values (NaN or inf) in {where}. Check the inputs and the weights (a learning rate that is "
-            "too high, fp16 overflow); lower the learning rate or train in bf16/fp32."
-        )
+        raise non_finite_error(where)
 
 
 _optimizer_steps = 0
@@ -139,10 +143,7 @@ class LongStrawEngine:
             self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk_index)
         state.check_captured()
         if not state.all_finite():  # checked as each chunk was written; one device sync here
-            raise NonFiniteError(
-                "Non-finite values (NaN or inf) in the captured prompt state. Check the inputs and the weights (a "
-                "learning rate that is too high, fp16 overflow); lower the learning rate or train in bf16/fp32."
-            )
+            raise non_finite_error("the captured prompt state")
         return state
 
     def _backbone_forward(self, model, state, mode, token_ids, start, chunk_index) -> StateAccess:

@@ -26,7 +26,7 @@ from .architectures import check_supported
 from .attention import ATTENTION_IMPLEMENTATION, register_attention
 from .config import LongStrawGRPOConfig
 from .distributed import average_gradients
-from .engine import LongStrawEngine, ensure_finite, weights_version
+from .engine import LongStrawEngine, ensure_finite, non_finite_error, weights_version
 from .loss import member_backward, replayed_scores
 from .telemetry import PhaseTelemetry
 
@@ -102,7 +102,7 @@ def ensure_finite_members(
     if not bool(finite.all()):
         member = int((~finite).nonzero()[0])
         member = member if members is None else members[member]
-        ensure_finite(torch.tensor(float("nan")), f"{where}, group {group.index}, member {member}")
+        raise non_finite_error(f"{where}, group {group.index}, member {member}")
 
 
 @dataclass

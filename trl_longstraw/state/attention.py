@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..attention import KeyBlock, Visibility, attention_over_blocks
-from .placement import FP8_PAGE_TOKENS, Pages, dequantize_pages
+from .placement import Pages
 from .registry import LayerAccount, LayerState, UnsupportedModelError, find_child, register_state_kind
 
 ATTENTION_LAYER_TYPES = (None, "full_attention", "sliding_attention", "chunked_attention", "hybrid")
@@ -60,7 +60,7 @@ class AttentionPages(LayerState):
         return mixer
 
     @classmethod
-    def account(cls, mixer, config, layer_type, dtype_bytes, exact):  # fp8 pages: see accounting.py
+    def account(cls, mixer, config, layer_type, dtype_bytes, exact):
         head_dim = getattr(mixer, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         per_token = 2 * kv_heads * head_dim * dtype_bytes
@@ -99,6 +99,7 @@ class AttentionPages(LayerState):
         """
         batch, kv_heads, tokens, _ = key.shape
         positions = access.query_positions
+        visibility = self.visibility(sliding_window)
         # Pages hold every captured token (or the ones a window/chunk still sees): all are readable except while the
         # exact recompute of a chunk reads only the pages before it.
         limit = access.prefix_length if access.mode == "recompute" else self.length
@@ -122,13 +123,13 @@ class AttentionPages(LayerState):
             blocks,
             positions,
             scaling,
-            self.visibility(sliding_window),
+            visibility,
             access.attention_chunk_size,
             softcap=softcap,
             sinks=sinks,
         )
         if access.mode == "capture":
-            self._append(key[0], value[0], self.visibility(sliding_window))
+            self._append(key[0], value[0], visibility)
         elif access.mode == "recompute":
             access.recorded[self] = (key[0], value[0])
         return out
@@ -137,10 +138,7 @@ class AttentionPages(LayerState):
         """fp8 pages: each chunk's keys and values in `dtype`, with their pages' scales, as attention reads them."""
 
         def dequantize(keys: torch.Tensor, values: torch.Tensor, start: int):
-            return (
-                dequantize_pages(keys, self.key.scales, start, FP8_PAGE_TOKENS, dtype),
-                dequantize_pages(values, self.value.scales, start, FP8_PAGE_TOKENS, dtype),
-            )
+            return self.key.dequantize(keys, start, dtype), self.value.dequantize(values, start, dtype)
 
         return dequantize
 

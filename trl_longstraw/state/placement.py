@@ -131,6 +131,10 @@ class Pages:
         self._tail = values[:, values.shape[1] - partial :].clone() if partial else None
         self.length = end
 
+    def dequantize(self, entries: torch.Tensor, start: int, dtype: torch.dtype) -> torch.Tensor:
+        """fp8 pages: `entries` (a chunk of `read()` starting at entry `start`, on any device) in `dtype`."""
+        return dequantize_pages(entries, self.scales, start, FP8_PAGE_TOKENS, dtype)
+
     def read(self, limit: int | None = None) -> torch.Tensor | None:
         """The first `limit` entries (all by default), still on the state's device."""
         if self.data is None:
