@@ -90,6 +90,20 @@ class LongStrawGRPOConfig(GRPOConfig):
             "choices": list(PROMPT_STATE_DTYPES),
         },
     )
+    rollout_from_prompt_state: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Generate completions from the captured prompt state: each distinct prompt is captured once and "
+            "its rows decode together against it (the prompt's pages shared, each row keeping only its own decoded "
+            "tokens), instead of transformers' generate, which prefills and caches the prompt once per row. The same "
+            "capture then serves scoring and the update while the weights stay put. Sampling follows the same "
+            "generation settings (temperature, top_p, top_k, min_p, repetition_penalty, generation_kwargs) and a "
+            "seeded run samples the same completions. None (default): on, except with use_vllm or "
+            "use_transformers_continuous_batching, which keep generating as in TRL (or where the generation settings "
+            "ask for what it does not implement, e.g. beam search: a warning says so). True: on, and such settings "
+            "are an error. False: TRL's generation."
+        },
+    )
     log_phase_metrics: bool = field(
         default=True,
         metadata={
@@ -153,6 +167,13 @@ class LongStrawGRPOConfig(GRPOConfig):
                 f"prompt_state_dtype={self.prompt_state_dtype!r} with prompt_gradient='exact': the exact prompt "
                 "gradient accumulates on the state's tensors and recomputes them in full precision, which fp8 pages "
                 "cannot hold. Use prompt_state_dtype='auto' with 'exact', or prompt_gradient='detach' with fp8."
+            )
+        if self.rollout_from_prompt_state and (self.use_vllm or self.use_transformers_continuous_batching):
+            engine = "use_vllm" if self.use_vllm else "use_transformers_continuous_batching"
+            raise ValueError(
+                f"rollout_from_prompt_state=True with {engine}=True: completions come from one generator. Set "
+                f"rollout_from_prompt_state=None (the default: {engine} generates, the capture serves scoring and the "
+                f"update) or {engine}=False."
             )
         if self.deepspeed or self.fsdp:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""One group's update: capture the shared prompt once, score members from it, replay each member under autograd.
+"""One group's update: capture the shared prompt once, decode or score members from it, replay each under autograd.
 
 The engine knows models, not trainers. It drives a causal LM through two entry points: its backbone
 (`model.base_model`) for the prompt, and its forward with TRL's fused LM head (`fused_lm_head=True`, see
@@ -27,6 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .attention import ATTENTION_IMPLEMENTATION, STATE_KWARG, register_attention
 from .state import PromptState, StateAccess, UnpreparedModelError, plan_layers
+from .state.suffix import Suffix
 
 
 class NonFiniteError(FloatingPointError):
@@ -239,6 +240,34 @@ class LongStrawEngine:
             model, state, last_prompt_token, completion[None], torch.tensor([length])
         )
         return logps[0], None if entropies is None else entropies[0]
+
+    @torch.no_grad()
+    def decode(self, model: nn.Module, state: PromptState, suffix: Suffix, token_ids: torch.Tensor) -> torch.Tensor:
+        """One rollout step of a group's rows: feed `token_ids [rows, T]` after what they decoded so far (`suffix`,
+        extended here) and return the fp32 logits `[rows, vocab]` of each row's next token, as `generate` takes them.
+        """
+        state.check_fresh(weights_version(model))
+        device = self._device(model)
+        first_position = suffix.first_position + suffix.length
+        positions = torch.arange(first_position, first_position + token_ids.shape[1], device=device)
+        access = StateAccess(
+            state,
+            "decode",
+            positions,
+            self.attention_chunk_size,
+            state.num_tokens,
+            batch_size=token_ids.shape[0],
+            suffix=suffix,
+        )
+        outputs = model(
+            input_ids=token_ids.to(device),
+            position_ids=positions[None],
+            cache=access,
+            logits_to_keep=1,
+            **{STATE_KWARG: access},
+        )
+        suffix.advance(token_ids.shape[1])
+        return outputs.logits[:, -1].to(dtype=torch.float32, copy=True)
 
     def backward_prompt(self, model: nn.Module, state: PromptState, prompt_ids: torch.Tensor) -> None:
         """Exact mode: push the gradient accumulated on the state leaves into the parameters.

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-PHASES = ("capture", "capture_ref", "score", "replay", "prompt_backward", "optimizer")
+PHASES = ("capture", "capture_ref", "rollout", "score", "replay", "prompt_backward", "optimizer")
 MODES = ("train", "eval")
 PREFIX = "longstraw"
 _GIB = 1024**3

@@ -12,6 +12,7 @@ it returns them as the outputs of a [`~trl_longstraw.loss.ReplayedScores`] node,
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -21,6 +22,8 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import AutoConfig, TrainerCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context, profiling_decorator
+from trl.models import unwrap_model_for_generation
+from trl.trainer.utils import pad
 
 from .architectures import check_supported
 from .attention import ATTENTION_IMPLEMENTATION, register_attention
@@ -28,7 +31,10 @@ from .config import LongStrawGRPOConfig
 from .distributed import average_gradients
 from .engine import LongStrawEngine, ensure_finite, non_finite_error, weights_version
 from .loss import member_backward, replayed_scores
+from .rollout import PromptRows, UnsupportedRolloutError, check_generation_config, decode, prepare_sampling
 from .telemetry import PhaseTelemetry
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -201,7 +207,21 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         )
         self._kept: _KeptState | None = None
         self._reached: list[torch.nn.Parameter] | None = None
+        self.rollout_from_prompt_state = self._resolve_rollout(args)
         self.add_callback(_LongStrawCallback(self))
+
+    def _resolve_rollout(self, args: LongStrawGRPOConfig) -> bool:
+        """Whether completions are decoded from the captured prompt state (`rollout_from_prompt_state`)."""
+        if args.rollout_from_prompt_state is False or self.use_vllm or self.use_transformers_continuous_batching:
+            return False
+        try:
+            check_generation_config(self._causal_lm(self.model), self.generation_config)
+        except UnsupportedRolloutError as error:
+            if args.rollout_from_prompt_state:
+                raise
+            logger.warning("Generating with transformers' generate, not from the prompt state: %s", error)
+            return False
+        return True
 
     # ---------------------------------------------------------------------------------------------------------------
     # Helpers
@@ -486,6 +506,57 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
         self._check_positions(self.model.config, self.args, prompt_width=max(len(ids) for ids in prompt_ids))
         return prompt_ids, images, multimodal_fields
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """GRPOTrainer's generation, from one capture per distinct prompt (`rollout_from_prompt_state`).
+
+        The batch is what `generate` would get (left-padded to `pad_to_multiple_of`); see `trl_longstraw.rollout`. The
+        last prompt's state stays kept: on policy, scoring and the update of its rows read it without a new capture.
+        """
+        if not self.rollout_from_prompt_state:
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
+            )
+        device = self.accelerator.device
+        padded = pad(
+            [torch.tensor(ids) for ids in prompt_ids],
+            padding_value=self._tokenizer.pad_token_id,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        ).to(device)
+        rows_of: dict[tuple[int, ...], list[int]] = {}
+        for row, ids in enumerate(prompt_ids):
+            rows_of.setdefault(tuple(ids), []).append(row)
+        self._kept = None
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+        ):
+            causal_lm = self._causal_lm(unwrapped_model)
+            sampling = prepare_sampling(causal_lm, self.generation_config, padded)
+            groups, prompts = [], []
+            for index, (ids, rows) in enumerate(rows_of.items()):
+                group = PromptGroup(index, rows, torch.tensor(ids), first_position=0, completion_lengths=[])
+                state = self._capture(causal_lm, group, "capture")
+                groups.append(group)
+                prompts.append(PromptRows(rows, group.prompt_ids, state))
+                del state
+            with self._phase("rollout"), self.accelerator.autocast():
+                completion_ids = decode(self.engine, causal_lm, prompts, padded, sampling)
+            self._kept = _KeptState(groups[-1], prompts[-1].state)
+            del prompts
+        # Everything after a row's first EOS goes, as in GRPOTrainer's transformers path.
+        is_eos = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=completion_ids.device))
+        first_eos = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), is_eos.shape[1])
+        keep = torch.arange(is_eos.shape[1], device=is_eos.device)[None, :] <= first_eos[:, None]
+        completion_ids = [c[m].tolist() for c, m in zip(completion_ids.cpu(), keep.cpu(), strict=True)]
+        return completion_ids, None
 
     def _generate_and_score_completions(self, inputs):
         self._kept = None  # generation needs the memory, and the weights may have moved since

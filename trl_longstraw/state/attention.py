@@ -95,7 +95,8 @@ class AttentionPages(LayerState):
     def attend(self, access, query, key, value, scaling, sliding_window, sinks=None, softcap=None, **_):
         """Attention of this forward's tokens over the prompt pages and over themselves (causal), as one softmax.
 
-        `query [batch, heads, tokens, d]`, `key/value [batch, kv_heads, tokens, d]` are this forward's own tokens.
+        `query [batch, heads, tokens, d]`, `key/value [batch, kv_heads, tokens, d]` are this forward's own tokens
+        (decoding: preceded by the rows' earlier decoded tokens, kept in the access's suffix).
         """
         batch, kv_heads, tokens, _ = key.shape
         positions = access.query_positions
@@ -115,9 +116,9 @@ class AttentionPages(LayerState):
                 )
             )
         # Each batch row has its own suffix keys: one key set per (row, kv head).
-        own_keys = key.reshape(batch * kv_heads, tokens, -1)
-        own_values = value.reshape(batch * kv_heads, tokens, -1)
-        blocks.append((own_keys, own_values, KeyBlock(positions, shared=False)))
+        own_keys = access.own_entries(self, "key", key.reshape(batch * kv_heads, tokens, -1), dim=1)
+        own_values = access.own_entries(self, "value", value.reshape(batch * kv_heads, tokens, -1), dim=1)
+        blocks.append((own_keys, own_values, KeyBlock(access.own_positions(own_keys.shape[1]), shared=False)))
         out = attention_over_blocks(
             query,
             blocks,

@@ -85,6 +85,7 @@ class LatentPages(LayerState):
         module = self.mixer
         latent, rope_key = access.cache_inputs[self.layer_idx]  # [batch, 1, tokens, rank], [batch, 1, tokens, rope]
         own_keys = torch.cat([latent, rope_key], dim=-1)[:, 0]  # [batch, tokens, rank + rope]: one set per row
+        own_keys = access.own_entries(self, "latent", own_keys, dim=1)  # decoding: the rows' earlier latents first
         rank = module.kv_lora_rank
         w_uk, w_uv = absorbed_weights(module)
         query_nope, query_rope = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
@@ -100,7 +101,8 @@ class LatentPages(LayerState):
             selected = None if indices is None else topk_selection(indices, 0)
             blocks.append((pages, pages[..., :rank], KeyBlock(page_positions, shared=True, selection=selected)))
         selected = None if indices is None else topk_selection(indices, prefix)
-        blocks.append((own_keys, own_keys[..., :rank], KeyBlock(positions, shared=False, selection=selected)))
+        own_positions = access.own_positions(own_keys.shape[1])
+        blocks.append((own_keys, own_keys[..., :rank], KeyBlock(own_positions, shared=False, selection=selected)))
         out = attention_over_blocks(absorbed, blocks, positions, scaling, CAUSAL, access.attention_chunk_size)
         if access.mode == "capture":
             self.pages.append(own_keys[:1])

@@ -17,6 +17,7 @@ from .dsa import IndexerKeys
 from .placement import Placement
 from .recurrent import ConvRecurrentState
 from .registry import LayerPlan, LayerState, PromptGeometry
+from .suffix import Suffix
 
 
 class StaleStateError(RuntimeError):
@@ -134,7 +135,8 @@ class StateAccess(Cache):
     `mode`: "capture" appends this forward's state (a chunk starting after `prefix_length` captured tokens); "read"
     only reads the final state (scoring and replay); "recompute" (exact prompt gradient, chunk `chunk_index` starting
     after `prefix_length` tokens) reads the state before the chunk and records this forward's state, with its graph,
-    in `recorded`.
+    in `recorded`; "decode" (a rollout step) reads the final state and the rows' `suffix` (the tokens they decoded
+    before this forward), and extends the suffix with this forward's tokens.
 
     As a `Cache` it stores nothing itself: `update` hands the layer's K/V (or MLA latents) back unchanged, keeping
     them for the registered attention function; recurrent layers get their snapshot states; DSA indexers get the
@@ -144,13 +146,16 @@ class StateAccess(Cache):
     def __init__(
         self,
         state: PromptState,
-        mode: Literal["capture", "read", "recompute"],
+        mode: Literal["capture", "read", "recompute", "decode"],
         query_positions: torch.Tensor,
         attention_chunk_size: int,
         prefix_length: int,
         batch_size: int = 1,
         chunk_index: int = 0,
+        suffix: Suffix | None = None,
     ):
+        if (mode == "decode") != (suffix is not None):
+            raise ValueError("A decode forward needs the rows' suffix, and only a decode forward reads one.")
         super().__init__(layers=[])
         self.state = state
         self.mode = mode
@@ -159,8 +164,22 @@ class StateAccess(Cache):
         self.prefix_length = prefix_length
         self.forward_batch_size = batch_size
         self.chunk_index = chunk_index
+        self.suffix = suffix
         self.recorded: dict[LayerState, object] = {}
         self.cache_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def own_entries(self, owner: LayerState, name: str, values: torch.Tensor, dim: int) -> torch.Tensor:
+        """This forward's own entries of `owner` (its tokens along `dim`): as given, or, decoding, the rows' suffix
+        followed by them (one entry set per row, never beside a copy of the prompt's)."""
+        if self.suffix is None:
+            return values
+        return self.suffix.extend(owner, name, values, dim)
+
+    def own_positions(self, count: int) -> torch.Tensor:
+        """Absolute positions of the `count` own entries returned by `own_entries`."""
+        if self.suffix is None:
+            return self.query_positions
+        return self.suffix.positions(count, self.query_positions.device)
 
     # -- attention-like mixers (through the registered attention function) -------------------------------------------
     def attend(self, module, query, key, value, **features) -> torch.Tensor:
@@ -172,7 +191,9 @@ class StateAccess(Cache):
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.prefix_length if self.state.extends_masks else 0
+        if not self.state.extends_masks:
+            return 0
+        return self.prefix_length + (self.suffix.length if self.suffix is not None else 0)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return query_length + self.get_seq_length(layer_idx), 0

@@ -6,6 +6,8 @@ which would both corrupt a snapshot shared by replays and break autograd; here e
 every continuation is computed out of place from it, through the Cache API these mixers already call
 (`get/update_conv_state`, `get/update_recurrent_state`).
 
+A rollout decodes from the prompt's final states: each row continues its own copy, kept in the rollout's `Suffix`.
+
 With the exact prompt gradient the state at every capture-chunk boundary is kept (a few KiB-MiB each): the reverse
 recompute of chunk c starts from boundary c - 1 and back-propagates into it.
 """
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from .registry import LayerState
 
 FP32_BYTES = 4
+SLOTS = ("conv", "recurrent")
 
 
 class ConvRecurrentState(LayerState):
@@ -34,24 +37,36 @@ class ConvRecurrentState(LayerState):
     def tensors(self) -> list[torch.Tensor]:
         return self.conv + self.recurrent
 
-    def _before(self, states: list[torch.Tensor], access) -> torch.Tensor | None:
+    def _before(self, states: list[torch.Tensor], access, slot: int) -> torch.Tensor | None:
         if access.mode == "capture":
             return states[-1] if states else None
-        index = len(states) - 1 if access.mode == "read" else access.chunk_index - 1
+        if access.mode == "decode" and (current := access.suffix.state(self, SLOTS[slot])) is not None:
+            return current  # the rows' own state after their decoded tokens
+        index = access.chunk_index - 1 if access.mode == "recompute" else len(states) - 1
         if index < 0:
             return None
         return self.prompt.placement.stage(states[index], access.query_positions.device)
 
     def conv_state(self, access) -> torch.Tensor | None:
-        return self._before(self.conv, access)
+        return self._before(self.conv, access, slot=0)
 
     def recurrent_state(self, access, batch_size: int) -> torch.Tensor | None:
-        state = self._before(self.recurrent, access)
-        return None if state is None else state.expand(batch_size, *state.shape[1:])
+        if access.mode == "decode" and (current := access.suffix.state(self, SLOTS[1])) is not None:
+            return current
+        state = self._before(self.recurrent, access, slot=1)
+        if state is None:
+            return None
+        state = state.expand(batch_size, *state.shape[1:])
+        if access.mode == "decode":
+            # The rows' own copy from their first decoded token on: single-token kernels (Mamba2's state update)
+            # write the state they are given in place, which must never be the prompt's snapshot.
+            state = state.clone()
+            access.suffix.set_state(self, SLOTS[1], state)
+        return state
 
     def continue_conv(self, access, inputs: torch.Tensor, kernel_size: int) -> torch.Tensor:
         """`inputs [batch, conv_dim, T]` preceded by the conv state (out of place); records the new state."""
-        previous = self._before(self.conv, access)
+        previous = self._before(self.conv, access, slot=0)
         full = inputs if previous is None else torch.cat([previous.expand(inputs.shape[0], -1, -1), inputs], dim=-1)
         if access.mode != "read":
             tail = full[..., -(kernel_size - 1) :]
@@ -65,6 +80,9 @@ class ConvRecurrentState(LayerState):
             self._record(self.recurrent, access, state, slot=1)
 
     def _record(self, states: list[torch.Tensor], access, value: torch.Tensor, slot: int) -> None:
+        if access.mode == "decode":
+            access.suffix.set_state(self, SLOTS[slot], value)
+            return
         if access.mode == "recompute":
             access.recorded.setdefault(self, [None, None])[slot] = value
             return

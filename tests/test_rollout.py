@@ -1,0 +1,179 @@
+"""Rollouts from the captured prompt state (`trl_longstraw/rollout.py`) against transformers' `generate`."""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from trl_longstraw import LongStrawGRPOTrainer
+from trl_longstraw.accounting import prompt_state_account
+from trl_longstraw.embedded import FAMILIES, build_model
+from trl_longstraw.engine import LongStrawEngine, prepare_model
+from trl_longstraw.rollout import PromptRows, UnsupportedRolloutError, decode, prepare_sampling
+from trl_longstraw.state.suffix import Suffix
+
+from .conftest import GROUP_SIZE, make_trainer
+
+PAD, EOS = 0, 1
+
+
+def generation_config(**settings) -> GenerationConfig:
+    fields = dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD, eos_token_id=[EOS], disable_compile=True)
+    fields.update(settings)
+    return GenerationConfig(**fields)
+
+
+def left_padded(prompts: list[torch.Tensor], rows_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    rows = [p for p in prompts for _ in range(rows_per_prompt)]
+    ids = torch.stack([torch.cat([torch.full((width - len(p),), PAD), p]) for p in rows])
+    mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]).long() for p in rows])
+    return ids, mask
+
+
+def rollout(model, prompts, rows_per_prompt, config, step_logits=None, chunk=8):
+    """Capture each prompt once and decode its rows from the state, as the trainer does."""
+    prepare_model(model)
+    engine = LongStrawEngine(prefill_chunk_size=chunk, attention_chunk_size=chunk)
+    padded, _ = left_padded(prompts, rows_per_prompt)
+    groups = [
+        PromptRows(list(range(i * rows_per_prompt, (i + 1) * rows_per_prompt)), p, engine.capture(model, p, 0))
+        for i, p in enumerate(prompts)
+    ]
+    sampling = prepare_sampling(model, config, padded)
+    return decode(engine, model, groups, padded, sampling, step_logits), groups
+
+
+def generate(model, prompts, rows_per_prompt, config):
+    ids, mask = left_padded(prompts, rows_per_prompt)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, generation_config=config, output_logits=True, return_dict_in_generate=True
+    )
+    return out.sequences[:, ids.shape[1] :], out.logits
+
+
+def random_prompts(model, lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.get_text_config().vocab_size
+    return [torch.randint(2, vocab, (n,), generator=generator) for n in lengths]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_rollout_is_token_identical_to_generate_with_its_logits(family):
+    model = build_model(family, seed=0).float()
+    prompts = random_prompts(model, [23])
+    want_tokens, want_logits = generate(model, prompts, 3, generation_config())
+    logits = []
+    tokens, _ = rollout(model, prompts, 3, generation_config(), logits)
+    assert torch.equal(tokens, want_tokens)
+    assert len(logits) == len(want_logits)
+    assert max(float((got - want).abs().max()) for got, want in zip(logits, want_logits, strict=True)) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "glm_moe_dsa"])
+def test_seeded_sampling_draws_what_generate_draws_across_padded_prompts(family):
+    """Two prompts of different lengths (left padding), every sampling knob on: same seed, same completions."""
+    model = build_model(family, seed=0).float()
+    prompts = random_prompts(model, [17, 9], seed=1)
+    config = generation_config(
+        do_sample=True, temperature=0.9, top_p=0.95, top_k=40, min_p=0.01, repetition_penalty=1.3, max_new_tokens=12
+    )
+    torch.manual_seed(5)
+    want, _ = generate(model, prompts, GROUP_SIZE, config)
+    torch.manual_seed(5)
+    got, _ = rollout(model, prompts, GROUP_SIZE, config)
+    assert torch.equal(got, want)
+    assert len(set(map(tuple, got.tolist()))) > 1  # sampling, not a greedy echo
+
+
+def test_rows_stop_at_eos_and_are_padded_after_it_as_generate_does():
+    model = build_model("qwen3", seed=0).float()
+    prompts = random_prompts(model, [15, 11], seed=2)
+    free, _ = generate(model, prompts, 2, generation_config(eos_token_id=[]))
+    eos = int(free[0, 3])  # a token row 0 emits at step 3: rows stop at different steps
+    config = generation_config(eos_token_id=[eos])
+    want, _ = generate(model, prompts, 2, config)
+    got, _ = rollout(model, prompts, 2, config)
+    assert torch.equal(got, want)
+    assert (got == eos).any() and got.shape[1] <= free.shape[1]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "gpt_oss"])
+def test_decoding_leaves_the_prompt_state_untouched(family):
+    """Single-token kernels update recurrent states in place: they must write the rows' copies, not the prompt's."""
+    model = build_model(family, seed=0).float()
+    prompts = random_prompts(model, [21])
+    prepare_model(model)
+    state = LongStrawEngine(8, 8).capture(model, prompts[0], 0)
+    before = [t.clone() for t in state.tensors()]
+    engine = LongStrawEngine(8, 8)
+    padded, _ = left_padded(prompts, 3)
+    decode(
+        engine,
+        model,
+        [PromptRows([0, 1, 2], prompts[0], state)],
+        padded,
+        prepare_sampling(model, generation_config(), padded),
+    )
+    assert all(torch.equal(a, b) for a, b in zip(before, state.tensors(), strict=True))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "glm_moe_dsa"])
+def test_decode_memory_is_one_prompt_state_plus_a_suffix_per_row(family):
+    """Suffix bytes = rows x (capacity x per-token bytes + fixed recurrent bytes), from the state accounting: what
+    G adds is the rows' own decoded tokens, never another copy of the prompt."""
+    model = build_model(family, seed=0).float()
+    prompts = random_prompts(model, [19])
+    account = prompt_state_account(model.config, dtype_bytes=4)
+    fixed = sum(a.layers * a.fixed for a in account.by_layer_type.values())
+    for rows in (2, 5):
+        prepare_model(model)
+        engine = LongStrawEngine(8, 8)
+        state = engine.capture(model, prompts[0], 0)
+        suffix = Suffix(rows, capacity=10, first_position=state.num_tokens)
+        tokens = prompts[0][-1:].expand(rows, 1)
+        for _ in range(3):
+            engine.decode(model, state, suffix, tokens)
+        assert suffix.nbytes() == rows * (10 * account.bytes_per_token() + fixed)
+
+
+def test_trainer_captures_each_prompt_once_per_step_on_policy(tokenizer, prompt_dataset, tmp_path):
+    """Generation, scoring and the update read one capture per prompt: one group per step, one capture."""
+    model = build_model("qwen3", seed=0)
+    trainer = make_trainer(
+        LongStrawGRPOTrainer,
+        model,
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        per_device_train_batch_size=GROUP_SIZE,
+        max_steps=2,
+    )
+    assert trainer.rollout_from_prompt_state
+    trainer.train()
+    steps = [log for log in trainer.state.log_history if "longstraw/rollout/count" in log]
+    assert len(steps) == 2
+    assert all(log["longstraw/capture/count"] == 1 for log in steps)
+    assert all(log["longstraw/rollout/count"] == 1 for log in steps)
+
+
+def test_generation_settings_a_rollout_cannot_serve_fall_back_or_are_refused(tokenizer, prompt_dataset, tmp_path):
+    beams = {"generation_kwargs": {"num_beams": 2}}
+    trainer = make_trainer(LongStrawGRPOTrainer, build_model("qwen3"), tokenizer, prompt_dataset, tmp_path, **beams)
+    assert not trainer.rollout_from_prompt_state  # the default falls back to generate
+    with pytest.raises(UnsupportedRolloutError, match="rollout_from_prompt_state=False"):
+        make_trainer(
+            LongStrawGRPOTrainer,
+            build_model("qwen3"),
+            tokenizer,
+            prompt_dataset,
+            tmp_path,
+            rollout_from_prompt_state=True,
+            **beams,
+        )
+
+
+def test_rollout_and_vllm_are_one_generator_too_many():
+    from trl_longstraw import LongStrawGRPOConfig
+
+    with pytest.raises(ValueError, match="rollout_from_prompt_state=True with use_vllm=True"):
+        LongStrawGRPOConfig(output_dir="unused", use_vllm=True, rollout_from_prompt_state=True)

@@ -1,0 +1,161 @@
+"""Rollouts from the captured prompt: a generation batch's completions decoded against one prompt state per prompt.
+
+TRL's transformers path repeats each prompt G times, prefills every copy and keeps G prompt caches. Here each distinct
+prompt is captured once ([`LongStrawEngine.capture`], the same capture the update reads) and its rows decode together:
+every row attends to the prompt's read-only pages, shared by all rows (never copied), and to its own decoded tokens,
+kept in a [`Suffix`] (one row's worth of K/V, latents, indexer keys and recurrent states). Decode memory per prompt is
+one prompt state plus its rows' suffixes.
+
+Sampling is `generate`'s own: the generation config is prepared, and the logits processors and stopping criteria are
+built, by the model's `GenerationMixin` helpers from the same `GenerationConfig` `GRPOTrainer` passes to `generate`
+(temperature, top-p/k, min-p, repetition penalty, EOS / pad, `generation_kwargs`); the token choice is `generate`'s
+(`argmax`, or `multinomial` over the whole batch's probabilities). All prompts of the batch advance in lockstep, one
+`[batch, vocab]` draw per step, so that a seeded run draws the same random numbers in the same order as `generate`:
+the same completions as stock `GRPOTrainer`, up to ties in floating point. The price is that a process keeps one
+prompt state per distinct prompt of its generation batch alive while decoding (one, with one group per process).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.configuration_utils import GenerationMode
+
+from .engine import LongStrawEngine
+from .state import PromptState
+from .state.suffix import Suffix
+
+
+class UnsupportedRolloutError(ValueError):
+    """A generation setting a rollout from the prompt state cannot serve."""
+
+
+@dataclass
+class Sampling:
+    """`generate`'s decoding rules for one batch, prepared by the model's own `GenerationMixin` helpers."""
+
+    config: GenerationConfig
+    logits_processor: LogitsProcessorList
+    stopping_criteria: StoppingCriteriaList
+    do_sample: bool
+    pad_token_id: int | None
+    stops_at_eos: bool
+
+
+def check_generation_config(model: nn.Module, generation_config: GenerationConfig) -> None:
+    """Refuse what a rollout from the prompt state cannot serve, naming the setting and the way out."""
+    config, _ = model._prepare_generation_config(generation_config)
+    mode = config.get_generation_mode()
+    if mode not in (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH):
+        raise UnsupportedRolloutError(
+            f"The generation settings ask for {mode.value.replace('_', ' ')} (num_beams={config.num_beams}, "
+            f"assistant/prompt lookup settings), which a rollout from the prompt state does not implement: it samples "
+            "or decodes greedily, like GRPOTrainer's default. Set rollout_from_prompt_state=False to generate with "
+            "transformers' generate, or drop the setting from generation_kwargs."
+        )
+    if config.guidance_scale is not None and config.guidance_scale != 1:
+        raise UnsupportedRolloutError(
+            f"generation_kwargs guidance_scale={config.guidance_scale}: classifier-free guidance runs a second, "
+            "unconditional forward per step, which a rollout from the prompt state does not. Set "
+            "rollout_from_prompt_state=False, or drop guidance_scale."
+        )
+    if (config.num_return_sequences or 1) != 1:
+        raise UnsupportedRolloutError(
+            f"generation_kwargs num_return_sequences={config.num_return_sequences}: GRPOTrainer repeats prompts "
+            "itself (num_generations). Drop num_return_sequences."
+        )
+
+
+def prepare_sampling(model: nn.Module, generation_config: GenerationConfig, padded_prompts: torch.Tensor) -> Sampling:
+    """`generate`'s preparation of `generation_config` for the left-padded `padded_prompts [batch, width]`."""
+    check_generation_config(model, generation_config)
+    has_default_max_length = generation_config.max_length is None and model.generation_config.max_length is None
+    has_default_min_length = generation_config.min_length is None and model.generation_config.min_length is None
+    config, model_kwargs = model._prepare_generation_config(generation_config)
+    device = padded_prompts.device
+    model._prepare_special_tokens(config, True, device=device, batch_size=padded_prompts.shape[0])
+    config = model._prepare_generated_length(
+        generation_config=config,
+        has_default_max_length=has_default_max_length,
+        has_default_min_length=has_default_min_length,
+        model_input_name="input_ids",
+        input_ids_length=padded_prompts.shape[1],
+        inputs_tensor=padded_prompts,
+    )
+    logits_processor = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=padded_prompts.shape[1],
+        encoder_input_ids=padded_prompts,
+        prefix_allowed_tokens_fn=None,
+        logits_processor=LogitsProcessorList(),
+        device=device,
+        model_kwargs=model_kwargs,
+    )
+    stopping_criteria = model._get_stopping_criteria(config, stopping_criteria=StoppingCriteriaList(), tokenizer=None)
+    pad = config._pad_token_tensor
+    return Sampling(
+        config=config,
+        logits_processor=logits_processor,
+        stopping_criteria=stopping_criteria,
+        do_sample=bool(config.do_sample),
+        pad_token_id=None if pad is None else int(pad),
+        stops_at_eos=any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria),
+    )
+
+
+@dataclass
+class PromptRows:
+    """The rows of a generation batch that share one prompt, and that prompt's captured state."""
+
+    rows: list[int]
+    prompt_ids: torch.Tensor  # [P] real tokens
+    state: PromptState
+
+
+def decode(
+    engine: LongStrawEngine,
+    model: nn.Module,
+    prompts: list[PromptRows],
+    padded_prompts: torch.Tensor,
+    sampling: Sampling,
+    step_logits: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Decode every row of `prompts` in lockstep; returns the generated tokens `[batch, steps]` (pad after a row
+    stopped), as `generate` returns them after the prompt.
+
+    `padded_prompts [batch, width]` is the batch as `generate` would get it (left-padded): the logits processors read
+    it (e.g. the repetition penalty). `step_logits`, if given, receives each step's raw `[batch, vocab]` logits.
+    """
+    batch = padded_prompts.shape[0]
+    device = padded_prompts.device
+    capacity = sampling.config.max_length - padded_prompts.shape[1]
+    suffixes = [Suffix(len(p.rows), capacity, p.state.start_position + p.state.num_tokens) for p in prompts]
+    row_index = [torch.tensor(p.rows, device=device) for p in prompts]
+    inputs = [p.prompt_ids[-1:].to(device).expand(len(p.rows), 1) for p in prompts]
+    input_ids = padded_prompts
+    unfinished = torch.ones(batch, dtype=torch.long, device=device)
+    while True:
+        logits = None
+        for prompt, suffix, rows, tokens in zip(prompts, suffixes, row_index, inputs, strict=True):
+            group_logits = engine.decode(model, prompt.state, suffix, tokens).to(device)
+            if logits is None:
+                logits = group_logits.new_empty(batch, group_logits.shape[-1])
+            logits[rows] = group_logits
+        if step_logits is not None:
+            step_logits.append(logits.clone())
+        scores = sampling.logits_processor(input_ids, logits)
+        if sampling.do_sample:
+            next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            next_tokens = torch.argmax(scores, dim=-1)
+        if sampling.stops_at_eos:
+            next_tokens = next_tokens * unfinished + sampling.pad_token_id * (1 - unfinished)
+        input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+        unfinished = unfinished & ~sampling.stopping_criteria(input_ids, ())
+        if int(unfinished.max()) == 0:
+            break
+        inputs = [next_tokens[rows, None] for rows in row_index]
+    return input_ids[:, padded_prompts.shape[1] :]

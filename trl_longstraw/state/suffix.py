@@ -1,0 +1,69 @@
+"""The decoded tokens of a group's rows during a rollout: one row's worth of state per row, beside the prompt's.
+
+A rollout decodes a group's completions together against one read-only [`PromptState`]. What each row adds is its
+own: the K/V (or MLA latents, DSA indexer keys) of the tokens it has decoded so far, and its recurrent layers'
+current conv / recurrent states. [`Suffix`] holds those for all rows of one group, per layer state kind, and never
+a copy of the prompt's pages: attention reads the prompt's pages as a block shared by every row and the suffix as
+one block per row, merged by log-sum-exp.
+
+Per-token entries are preallocated for the longest possible completion (`capacity`) and written in place, so a
+decode step costs no copy of earlier entries; recurrent states are replaced each step (they are the rows' own).
+Decode memory for a group is therefore one prompt state plus `rows * capacity * (bytes per token of every
+per-token kind)` plus `rows * (fixed bytes of every recurrent kind)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Suffix:
+    """The per-row state of `rows` decoded sequences continuing one prompt, for up to `capacity` tokens each.
+
+    `length` tokens (per row, all rows in lockstep) are stored; a forward of `T` more tokens extends every kind's
+    entries with `extend` and the caller then calls `advance(T)`.
+    """
+
+    def __init__(self, rows: int, capacity: int, first_position: int):
+        self.rows = rows
+        self.capacity = capacity
+        self.first_position = first_position  # absolute position of the first decoded token (entry 0)
+        self.length = 0
+        self._entries: dict[tuple[object, str], torch.Tensor] = {}
+        self._states: dict[tuple[object, str], torch.Tensor] = {}
+
+    def positions(self, count: int, device: torch.device) -> torch.Tensor:
+        """Absolute positions of the first `count` entries."""
+        return torch.arange(self.first_position, self.first_position + count, device=device)
+
+    @torch.no_grad()
+    def extend(self, owner: object, name: str, values: torch.Tensor, dim: int) -> torch.Tensor:
+        """Write `values` (this forward's entries, `T` along `dim`) after the stored ones; return all of them (a view).
+
+        `owner` and `name` identify the entry set (a layer state and, e.g., "key"); its layout is the caller's.
+        """
+        key = (owner, name)
+        end = self.length + values.shape[dim]
+        if end > self.capacity:
+            raise ValueError(f"A rollout decoded {end} tokens per row, more than its capacity of {self.capacity}.")
+        buffer = self._entries.get(key)
+        if buffer is None:
+            shape = list(values.shape)
+            shape[dim] = self.capacity
+            buffer = self._entries[key] = values.new_empty(shape)
+        buffer.narrow(dim, self.length, values.shape[dim]).copy_(values)
+        return buffer.narrow(dim, 0, end)
+
+    def state(self, owner: object, name: str) -> torch.Tensor | None:
+        """A recurrent layer's current state for every row, or None before its first decoded token."""
+        return self._states.get((owner, name))
+
+    def set_state(self, owner: object, name: str, value: torch.Tensor) -> None:
+        self._states[(owner, name)] = value.detach()
+
+    def advance(self, count: int) -> None:
+        self.length += count
+
+    def nbytes(self) -> int:
+        tensors = list(self._entries.values()) + list(self._states.values())
+        return sum(t.numel() * t.element_size() for t in tensors)
