@@ -57,6 +57,15 @@ class LongStrawScriptArguments:
             "character-level tokenizer, that is its length in tokens."
         },
     )
+    compare_with_stock_prompt_chars: int = field(
+        default=0,
+        metadata={
+            "help": "After training (embedded model and needle task only), measure the peak memory of one step of "
+            "stock GRPOTrainer and of LongStrawGRPOTrainer at prompts of this many characters (a size stock can "
+            "run), of LongStraw at `prompt_chars`, and print them beside stock's predicted peak at `prompt_chars` "
+            "(recipes/compare_with_stock.py). 0: skip."
+        },
+    )
     embedded_model_type: str = field(
         default="qwen3_5",
         metadata={
@@ -147,6 +156,31 @@ def phase_table(log_history: list[dict[str, float]]) -> str:
     return "\n".join(rows)
 
 
+def save_reward_curve(log_history: list[dict[str, float]], path: Path) -> Path | None:
+    """Plot the mean reward of each logged training step to `path` (PNG); None if matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no reward curve (pip install matplotlib).")
+        return None
+    points = [(log["step"], log["reward"]) for log in log_history if "reward" in log and "step" in log]
+    if not points:
+        return None
+    steps, rewards = zip(*points, strict=True)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, rewards, "o-", markersize=3)
+    ax.set(xlabel="optimizer step", ylabel="mean reward of the step's group", title="LongStraw GRPO: reward")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConfig, model_args: ModelConfig) -> None:
     model, tokenizer = load_model_and_tokenizer(script_args, training_args, model_args)
     trainer = LongStrawGRPOTrainer(
@@ -162,12 +196,34 @@ def main(script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConf
     trainer.save_model(training_args.output_dir)
 
     if trainer.accelerator.is_main_process:
-        print(f"LongStraw phases over {trainer.state.global_step} steps:\n{phase_table(trainer.state.log_history)}")
+        history = trainer.state.log_history
+        print(f"LongStraw phases over {trainer.state.global_step} steps:\n{phase_table(history)}")
+        rewards = [f"{log['reward']:.2f}" for log in history if "reward" in log and "step" in log]
+        print(f"reward per step: {' '.join(rewards)}")
+        curve = save_reward_curve(history, Path(training_args.output_dir) / "reward_curve.png")
+        if curve is not None:
+            print(f"reward curve: {curve}")
+        embedded = model_args.model_name_or_path in (None, EMBEDDED) and script_args.dataset_name == EMBEDDED_NEEDLE
+        if script_args.compare_with_stock_prompt_chars and embedded:
+            from compare_with_stock import compare  # sibling module of this script
+
+            print(
+                compare(
+                    script_args.embedded_model_type,
+                    script_args.compare_with_stock_prompt_chars,
+                    script_args.prompt_chars,
+                    training_args.num_generations,
+                    training_args.max_completion_length,
+                )
+            )
         if "wandb" in training_args.report_to:
             import wandb
 
-            # The Trainer's W&B callback leaves the run open after training; print where it lives, then close it.
+            # The Trainer's W&B callback leaves the run open after training; log the curve, print where the run
+            # lives, then close it.
             if wandb.run is not None:
+                if curve is not None:
+                    wandb.log({"longstraw/reward_curve": wandb.Image(str(curve))})
                 print(f"W&B run directory: {wandb.run.dir}")
             wandb.finish()
     trainer.end()

@@ -39,11 +39,15 @@ def test_demo_recipe_runs_and_prints_the_phase_table(tmp_path):
         "0.04",
         "--prompt_gradient",
         "exact",
+        "--compare_with_stock_prompt_chars",
+        "300",
     ]
     result = subprocess.run(
         command, capture_output=True, text=True, timeout=600, env=dict(os.environ, WANDB_MODE="disabled")
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "LongStraw phases over 1 steps" in result.stdout
+    assert (tmp_path / "reward_curve.png").is_file()
+    assert "stock GRPOTrainer" in result.stdout and "LongStrawGRPOTrainer" in result.stdout
     for phase in ("capture", "capture_ref", "score", "optimizer"):
         assert any(line.startswith(phase) and "not logged" not in line for line in result.stdout.splitlines()), phase
