@@ -45,10 +45,10 @@ def status_bytes(field: str) -> int:
 
 def worker(args) -> dict:
     import torch
+    from presets import build_config, load_config_kwargs
     from transformers import AutoModelForCausalLM, GenerationConfig
     from update_worker import _malloc_trim
 
-    from presets import build_config, load_config_kwargs
     from trl_longstraw.engine import LongStrawEngine, prepare_model
     from trl_longstraw.rollout import PromptRows, decode, prepare_sampling
 
@@ -104,6 +104,7 @@ def worker(args) -> dict:
 
 def suffix_bytes_per_row(preset: str, capacity: int, dtype_bytes: int = 4) -> int:
     from presets import build_config, load_config_kwargs
+
     from trl_longstraw.accounting import prompt_state_account
 
     _, kwargs = load_config_kwargs(preset)
@@ -120,7 +121,7 @@ def run_point(mode: str, preset: str, P: int, G: int, args) -> dict:
         "--chunk-size", str(args.chunk_size), "--prefill-chunk-size", str(args.prefill_chunk_size),
     ]  # fmt: skip
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.time_cap_s)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.time_cap_s, check=False)
     except subprocess.TimeoutExpired:
         return {"mode": mode, "preset": preset, "P": P, "G": G, "error": f"over the {args.time_cap_s} s cap"}
     if done.returncode != 0:
@@ -129,14 +130,20 @@ def run_point(mode: str, preset: str, P: int, G: int, args) -> dict:
 
 
 def markdown(rows: list[dict], args) -> str:
-    lines = [
+    intro = (
         f"Rollout of G completions ({args.completion_length} sampled tokens each) of one P-token prompt, "
         f"preset(s) {', '.join(args.presets)}, fp32, {rows[0].get('threads', '?')} threads. "
         "Peak = resident-set high-water mark added during the rollout. Command: "
-        f"`{' '.join(sys.argv)}`.",
-        "",
+        f"`{' '.join(sys.argv)}`."
+    )
+    header = (
         "| preset | P | G | stock generate: peak GiB | time s | LongStraw rollout: peak GiB | time s "
-        "| peak ratio | time ratio |",
+        "| peak ratio | time ratio |"
+    )
+    lines = [
+        intro,
+        "",
+        header,
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     keyed = {(r["preset"], r["P"], r["G"], r["mode"]): r for r in rows}
