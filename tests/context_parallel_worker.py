@@ -1,0 +1,114 @@
+"""Ranks of the context-parallel tests (spawned by `tests/test_context_parallel.py`, gloo on CPU).
+
+Each rank computes the single-process reference itself (the plain engine, no collectives), then the same capture,
+scoring and replay with the prompt sharded over the group, and saves what the test compares.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+from trl.trainer.utils import add_fused_lm_head
+
+from trl_longstraw.context_parallel import (
+    COMMUNICATION,
+    ContextParallelEngine,
+    ContextParallelError,
+    ContextParallelGroup,
+)
+from trl_longstraw.embedded import build_model
+from trl_longstraw.engine import LongStrawEngine, prepare_model
+from trl_longstraw.state import AttentionPages
+
+PROMPT_LENGTH, COMPLETION_WIDTH = 37, 7
+
+
+def case(seed=0, vocab=100):
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(2, vocab, (PROMPT_LENGTH,), generator=generator)
+    completions = torch.randint(2, vocab, (3, COMPLETION_WIDTH), generator=generator)
+    weights = torch.randn(3, COMPLETION_WIDTH, generator=generator)
+    return prompt, completions, torch.tensor([COMPLETION_WIDTH, 3, 5]), weights
+
+
+def update(engine, model, prompt, completions, lengths, weights, first_position=2):
+    """Capture, score every member, replay each under autograd with a per-token upstream gradient."""
+    model.zero_grad(set_to_none=True)
+    state = engine.capture(model, prompt, first_position=first_position)
+    with torch.no_grad():
+        scored, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
+    replayed = []
+    for member in range(len(completions)):
+        length = int(lengths[member])
+        logps, _ = engine.replay(model, state, prompt[-1:], completions[member], length)
+        logps.backward(weights[member, :length])
+        replayed.append(logps.detach())
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return state, scored, replayed, grads
+
+
+def relative_errors(got, want, floor_fraction):
+    floor = floor_fraction * torch.sqrt(sum(w.norm() ** 2 for w in want.values()))
+    return {
+        k: ((got[k] - want[k]).norm() / torch.maximum(want[k].norm(), floor).clamp(min=1e-30)).item() for k in want
+    }
+
+
+def attention_bytes(state):
+    return sum(
+        t.numel() * t.element_size()
+        for layer in state.layers
+        if isinstance(layer, AttentionPages)
+        for t in layer.tensors()
+    )
+
+
+def check_family(family, cp):
+    model = build_model(family, seed=0)
+    prepare_model(model)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    prompt, completions, lengths, weights = case()
+    reference = LongStrawEngine(8, 4)
+    sharded = ContextParallelEngine(8, 4, context_parallel=cp)
+    whole, want_scores, want_logps, want_grads = update(reference, model, prompt, completions, lengths, weights)
+    COMMUNICATION.clear()
+    state, scores, logps, grads = update(sharded, model, prompt, completions, lengths, weights)
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    gathered = [torch.empty_like(flat) for _ in range(cp.size)]
+    dist.all_gather(gathered, flat)
+    return {
+        "score_error": (scores - want_scores).abs().max().item(),
+        "replay_error": max((a - b).abs().max().item() for a, b in zip(logps, want_logps, strict=True)),
+        "same_parameters": sorted(grads) == sorted(want_grads),
+        "grad_errors": relative_errors(grads, want_grads, 1e-3 if family == "qwen3_5" else 0.0),
+        "rank_difference": max((g - gathered[0]).abs().max().item() for g in gathered),
+        "state_bytes": state.nbytes(),
+        "whole_state_bytes": whole.nbytes(),
+        "attention_bytes": attention_bytes(state),
+        "whole_attention_bytes": attention_bytes(whole),
+        "shard": state.shard,
+        "communication": dict(COMMUNICATION),
+    }
+
+
+def check_short_prompt(cp):
+    model = build_model("qwen3", seed=0)
+    prepare_model(model)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    try:
+        ContextParallelEngine(8, 4, context_parallel=cp).capture(model, torch.tensor([5, 6]), first_position=0)
+    except ContextParallelError as error:
+        return str(error)
+    return None
+
+
+def run(rank, world_size, init_file, families, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        cp = ContextParallelGroup.of()
+        results = {family: check_family(family, cp) for family in families}
+        results["short_prompt"] = check_short_prompt(cp)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

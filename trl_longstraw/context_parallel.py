@@ -1,0 +1,460 @@
+"""Context parallelism: one group's prompt sharded by sequence across the ranks of a CP group.
+
+Every rank of a CP group keeps the durable state of one contiguous shard of the captured prompt tokens (attention K/V
+pages of its shard only; the fixed-size recurrent state is replicated after capture). Nothing of another rank's pages
+is ever copied: a query's attention over a shard is computed where the shard lives, as that shard's partial `(o,
+lse)`, and the partials are merged by log-sum-exp across the group (`merge_across`), which is exact.
+
+Sharding rule: contiguous shards, `shard r = [r N / cp, (r + 1) N / cp)` of the `N` captured tokens (sizes differ by
+at most one). Why contiguous rather than zigzag: after capture, every replayed and scored query sits after the whole
+prompt and reads every shard, so the replay's attention work (the phase repeated G times per capture) is balanced
+whatever the layout, and a contiguous shard keeps the sliding-window and recurrent hand-offs local to neighbours.
+The capture is causal, hence imbalanced: rank r's keys are read by the queries of shards r..cp-1, so the capture's
+attention pairs on rank r are proportional to `(cp - r - 1/2) / cp^2` of `N^2` (cp = 2: 3/8 vs 1/8 of `N^2`, a 3:1
+ratio; `capture_attention_pairs` computes it). The capture runs shard by shard in rank order anyway (see below), so
+this imbalance costs time only on the ranks that serve, never memory.
+
+Capture (`ContextParallelEngine.capture`): shard by shard, in rank order. The owner of the current shard runs its
+chunks through the model; at each attention layer it broadcasts the chunk's queries (one chunk: `prefill_chunk_size`
+tokens) and every rank computes the partial attention of those queries over its own pages (the owner over its pages
+so far plus the chunk's own keys, causal; a rank whose shard is not captured yet contributes `lse = -inf`); the
+partials are merged on every rank. Meanwhile the other ranks run `_serve`, the matching loop, until the owner
+announces the end of its shard. Recurrent layers (GatedDeltaNet, Mamba2) are sequential: the owner of shard r + 1
+starts from shard r's final conv/recurrent states, sent point to point; after the last shard its final states are
+broadcast, so that every rank's replay starts from the whole prompt's recurrent state. So no rank ever holds another
+rank's pages, only one chunk of another rank's queries and one chunk-sized partial at a time.
+
+Replay and scoring: every rank of the group runs the same member in lockstep; each attends over its own shard's pages,
+the completion's own keys are counted on rank 0 of the group only, and `ContextParallelAttention` merges the partials
+by an all-reduce of the max log-sum-exp and then of the weighted outputs. Its backward gives each rank the gradient of
+its own partial (the ring-attention identity: a key block's gradients need only the global output and log-sum-exp) and
+all-reduces (sums) the gradients of the query-side inputs (q, the completion's own keys and values, sinks) inside the
+function, so every rank's upstream graph receives the full gradient and every rank computes identical parameter
+gradients without any further all-reduce.
+
+Communication (elements all-reduced, per replayed token, per attention layer, `heads` query heads of width `d`,
+`kv_heads` key heads, value width `dv`): forward `heads * (dv + 2)` (the max and the weighted sum with its weight),
+backward `heads * d + kv_heads * (d + dv)` (dq and the own keys' and values' gradients), plus `heads` with sinks.
+`COMMUNICATION` counts what actually went through the collectives (benchmarks/context_parallel.py checks one against
+the other).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .attention import (
+    KeyBlock,
+    _finite,
+    blocks_backward,
+    blocks_forward,
+    merge_by_lse,
+    sinks_gradient,
+    sinks_partial,
+)
+from .engine import LongStrawEngine, check_prepared, non_finite_error, weights_version
+from .state import AttentionPages, ConvRecurrentState, FeedForwardOnly, PromptState, plan_layers
+
+# Elements sent through each kind of collective by this process (reset it to measure a phase).
+COMMUNICATION: Counter = Counter()
+
+# dtypes a tensor header can name (p2p hand-offs, the capture's query broadcast)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# layer index of the announcement that ends a shard's capture
+_END_OF_SHARD = -1
+
+
+@dataclass(frozen=True)
+class ContextParallelGroup:
+    """The ranks that share one prompt: `group` (None: the default group), this rank's index in it, its size."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None = None) -> ContextParallelGroup:
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
+        COMMUNICATION[kind] += tensor.numel()
+        dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, source: int, kind: str = "broadcast") -> torch.Tensor:
+        COMMUNICATION[kind] += tensor.numel()
+        dist.broadcast(tensor, group=self.group, group_src=source)
+        return tensor
+
+    def send(self, tensor: torch.Tensor, destination: int) -> None:
+        """A tensor of any shape and dtype to `destination` (header first: the receiver allocates from it)."""
+        header = torch.zeros(8, dtype=torch.int64)
+        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+        dist.send(header, group=self.group, group_dst=destination)
+        COMMUNICATION["send"] += tensor.numel()
+        dist.send(tensor.detach().contiguous().cpu(), group=self.group, group_dst=destination)
+
+    def receive(self, source: int) -> torch.Tensor:
+        header = torch.empty(8, dtype=torch.int64)
+        dist.recv(header, group=self.group, group_src=source)
+        dims = int(header[0])
+        tensor = torch.empty(tuple(header[2 : 2 + dims].tolist()), dtype=_DTYPES[int(header[1])])
+        dist.recv(tensor, group=self.group, group_src=source)
+        return tensor
+
+
+def shard_bounds(num_tokens: int, size: int) -> list[tuple[int, int]]:
+    """Contiguous shards of `num_tokens` captured tokens over `size` ranks, sizes differing by at most one."""
+    return [(rank * num_tokens // size, (rank + 1) * num_tokens // size) for rank in range(size)]
+
+
+def capture_attention_pairs(num_tokens: int, size: int) -> list[int]:
+    """Causal (query, key) pairs of the capture whose key lives on each rank: the capture's attention work per rank."""
+    pairs = []
+    for start, end in shard_bounds(num_tokens, size):
+        length = end - start
+        pairs.append(length * (length + 1) // 2 + length * (num_tokens - end))
+    return pairs
+
+
+class ContextParallelError(ValueError):
+    """A context-parallel setup that cannot work (the message names the fix)."""
+
+
+def merge_across(out: torch.Tensor, lse: torch.Tensor, cp: ContextParallelGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact softmax over the union of every rank's keys, from each rank's partial `(out, lse)`: an all-reduce of
+    the max log-sum-exp, then one of the weighted outputs with their weights. Same result on every rank."""
+    top = cp.all_reduce(lse.clone(), op=dist.ReduceOp.MAX, kind="merge")
+    safe = _finite(top)
+    weight = torch.exp(lse - safe)
+    packed = torch.cat([(weight[..., None] * out).reshape(-1), weight.reshape(-1)])
+    cp.all_reduce(packed, kind="merge")
+    total = packed[out.numel() :].view_as(weight)
+    merged = packed[: out.numel()].view_as(out) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+    return merged, safe + torch.log(total)
+
+
+def _empty_partial(q: torch.Tensor, value_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads, tokens, _ = q.shape
+    out = torch.zeros((batch, heads, tokens, value_dim), dtype=dtype, device=q.device)
+    return out, torch.full((batch, heads, tokens), float("-inf"), dtype=dtype, device=q.device)
+
+
+def partial_attention(q, q_positions, scaling, visibility, chunk_size, softcap, blocks, tensors, value_dim, sinks):
+    """This rank's `(o, lse)` over its blocks (and its sinks, on the rank that counts them); `lse = -inf` if none."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out, lse = blocks_forward(q, q_positions, scaling, visibility, chunk_size, softcap, blocks, tensors)
+    if out is None:
+        out, lse = _empty_partial(q, value_dim, acc)
+    if sinks is not None:
+        out, lse = merge_by_lse(out, lse, torch.zeros_like(out), sinks_partial(sinks, lse))
+    return out, lse
+
+
+class ContextParallelAttention(torch.autograd.Function):
+    """Softmax attention of `q [batch, heads, tokens, d]` over the pages of every rank of the CP group plus this
+    forward's own keys (counted on the rank with `owns_suffix` only), one softmax.
+
+    Forward: this rank's partial over its pages (and the own keys and sinks where it owns them), merged across ranks.
+    Backward: each rank's blocks get their gradients from the global output and log-sum-exp; the query-side gradients
+    (q, own keys and values, sinks) are summed across ranks here, so every rank returns the full gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, q, sinks, own_k, own_v, cp, owns_suffix, q_positions, scaling, visibility, chunk_size, softcap,
+                own_block, page_blocks, *page_tensors):  # fmt: skip
+        with torch.autocast(q.device.type, enabled=False):
+            blocks = page_blocks + ((own_block,) if owns_suffix else ())
+            tensors = page_tensors + ((own_k, own_v) if owns_suffix else ())
+            out, lse = partial_attention(
+                q,
+                q_positions,
+                scaling,
+                visibility,
+                chunk_size,
+                softcap,
+                blocks,
+                tensors,
+                own_v.shape[-1],
+                sinks if owns_suffix else None,
+            )
+            out, lse = merge_across(out, lse, cp)
+        ctx.save_for_backward(q, sinks, own_k, own_v, q_positions, out, lse, *page_tensors)
+        ctx.static = (cp, owns_suffix, scaling, visibility, chunk_size, softcap, blocks)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, sinks, own_k, own_v, q_positions, out, lse, *page_tensors = ctx.saved_tensors
+        cp, owns_suffix, scaling, visibility, chunk_size, softcap, blocks = ctx.static
+        need = ctx.needs_input_grad
+        need_pages = need[13:]
+        with torch.autocast(q.device.type, enabled=False):
+            d_out = d_out.to(out.dtype)
+            tensors = tuple(page_tensors) + ((own_k, own_v) if owns_suffix else ())
+            flags = (True, *need_pages) + ((need[2], need[3]) if owns_suffix else ())
+            d_q, grads = blocks_backward(
+                d_out, q, q_positions, out, lse, scaling, visibility, chunk_size, softcap, blocks, tensors, flags
+            )
+            d_own_k, d_own_v = grads[len(page_tensors) :] if owns_suffix else (None, None)
+            d_own_k = torch.zeros_like(own_k, dtype=out.dtype) if d_own_k is None else d_own_k.to(out.dtype)
+            d_own_v = torch.zeros_like(own_v, dtype=out.dtype) if d_own_v is None else d_own_v.to(out.dtype)
+            pieces = [d_q, d_own_k, d_own_v]
+            if sinks is not None:
+                d_row = (d_out * out).sum(-1)
+                own_sinks = sinks_gradient(sinks, lse, d_row).to(out.dtype) if owns_suffix else None
+                pieces.append(torch.zeros_like(sinks, dtype=out.dtype) if own_sinks is None else own_sinks)
+            packed = cp.all_reduce(torch.cat([p.reshape(-1) for p in pieces]), kind="backward")
+            summed, offset = [], 0
+            for piece in pieces:
+                summed.append(packed[offset : offset + piece.numel()].view_as(piece))
+                offset += piece.numel()
+        d_q = summed[0].to(q.dtype)
+        d_own_k = summed[1].to(own_k.dtype) if need[2] else None
+        d_own_v = summed[2].to(own_v.dtype) if need[3] else None
+        d_sinks = summed[3].to(sinks.dtype) if sinks is not None and need[1] else None
+        page_grads = grads[: len(page_tensors)]
+        return (d_q, d_sinks, d_own_k, d_own_v, *([None] * 9), *page_grads)
+
+
+class ShardedAttention:
+    """What the registered attention reaches for an attention layer of a sharded state: the layer's own pages (its
+    shard, at its absolute positions) as this rank's partial, merged across the CP group."""
+
+    def __init__(self, layer: AttentionPages, state: ShardedPromptState):
+        self.layer = layer
+        self.state = state
+
+    def page_block(self, device, dtype) -> tuple[tuple[KeyBlock, ...], tuple[torch.Tensor, ...]]:
+        layer = self.layer
+        if layer.length == 0:
+            return (), ()
+        positions = torch.arange(layer.start_position, layer.start_position + layer.length, device=device)
+        dequantize = layer._dequantizer(dtype) if layer.key.fp8 else None
+        block = KeyBlock(positions, shared=True, dequantize=dequantize)
+        return (block,), (layer.key.read(), layer.value.read())
+
+    def attend(self, access, query, key, value, scaling, sliding_window=None, sinks=None, softcap=None, **_):
+        cp = self.state.cp
+        layer = self.layer
+        batch, kv_heads, tokens, _ = key.shape
+        visibility = layer.visibility(sliding_window)
+        own_k = key.reshape(batch * kv_heads, tokens, -1)
+        own_v = value.reshape(batch * kv_heads, tokens, -1)
+        positions = access.query_positions
+        if access.mode == "capture":
+            self.state.announce(layer.layer_idx, query, positions, scaling, sliding_window, softcap)
+            owns_suffix = True  # the owner of the shard being captured
+        elif access.mode == "read":
+            owns_suffix = cp.rank == 0
+        else:
+            raise NotImplementedError("the exact prompt gradient under context parallelism is not implemented yet")
+        page_blocks, page_tensors = self.page_block(query.device, query.dtype)
+        own_block = KeyBlock(positions, shared=False)
+        out = ContextParallelAttention.apply(
+            query,
+            sinks,
+            own_k,
+            own_v,
+            cp,
+            owns_suffix,
+            positions,
+            scaling,
+            visibility,
+            access.attention_chunk_size,
+            softcap,
+            own_block,
+            page_blocks,
+            *page_tensors,
+        )
+        if access.mode == "capture":
+            layer._append(key[0], value[0], visibility)
+        return out
+
+    @torch.no_grad()
+    def serve(self, query, positions, scaling, sliding_window, softcap, chunk_size) -> None:
+        """Another rank's capture chunk: this rank's partial of its queries over this rank's pages, merged."""
+        blocks, tensors = self.page_block(query.device, query.dtype)
+        visibility = self.layer.visibility(sliding_window)
+        value_dim = tensors[1].shape[-1] if tensors else query.shape[-1]
+        out, lse = partial_attention(
+            query, positions, scaling, visibility, chunk_size, softcap, blocks, tensors, value_dim, None
+        )
+        merge_across(out, lse, self.state.cp)
+
+
+class ShardedPromptState(PromptState):
+    """One rank's share of a prompt state under context parallelism.
+
+    Its layer states see the geometry of this rank's shard (`geometry`: the shard's tokens at their absolute
+    positions), so an attention kind's pages hold exactly its shard and know their positions; the state itself
+    presents the whole prompt (`num_tokens`, `start_position`), which is what a replay continues after. Attention
+    layers are reached through `ShardedAttention`, which merges every rank's partial.
+    """
+
+    SUPPORTED_LAYER_TYPES = (None, "full_attention", "linear_attention", "hybrid", "mlp", "moe")
+
+    def __init__(self, plans, num_tokens, start_position, cp: ContextParallelGroup, **kwargs):
+        self.cp = cp
+        self.bounds = shard_bounds(num_tokens, cp.size)
+        shard_start, shard_end = self.bounds[cp.rank]
+        super().__init__(
+            plans, num_tokens=shard_end - shard_start, start_position=start_position + shard_start, **kwargs
+        )
+        self._whole = (num_tokens, start_position)
+        for layer in self.layers:
+            if not isinstance(layer, AttentionPages | ConvRecurrentState | FeedForwardOnly):
+                raise ContextParallelError(
+                    f"Layer {layer.layer_idx} keeps a {type(layer).name!r} state, which context parallelism does not "
+                    "shard yet: set context_parallel_size=1 for this model."
+                )
+            if layer.layer_type not in self.SUPPORTED_LAYER_TYPES:
+                raise ContextParallelError(
+                    f"Layer {layer.layer_idx} is a {layer.layer_type!r} layer: context parallelism shards full "
+                    "attention and recurrent layers only so far. Set context_parallel_size=1 for this model."
+                )
+        self._views = {
+            id(layer.mixer): ShardedAttention(layer, self)
+            for layer in self.layers
+            if isinstance(layer, AttentionPages)
+        }
+
+    @property
+    def num_tokens(self) -> int:
+        return self._whole[0]
+
+    @property
+    def start_position(self) -> int:
+        return self._whole[1]
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        return self.bounds[self.cp.rank]
+
+    def for_mixer(self, module):
+        view = self._views.get(id(module))
+        return view if view is not None else super().for_mixer(module)
+
+    # -- capture: the owner announces each attention call, the other ranks serve it ----------------------------------
+    def announce(self, layer_idx, query, positions, scaling, sliding_window, softcap) -> None:
+        meta = torch.tensor(
+            [
+                layer_idx,
+                *query.shape,
+                int(positions[0]),
+                scaling,
+                -1 if sliding_window is None else sliding_window,
+                0.0 if softcap is None else softcap,
+                _DTYPES.index(query.dtype),
+            ],
+            dtype=torch.float64,
+        )
+        self.cp.broadcast(meta, self.cp.rank, kind="capture")
+        self.cp.broadcast(query.contiguous(), self.cp.rank, kind="capture")
+
+    def end_of_shard(self) -> None:
+        meta = torch.zeros(10, dtype=torch.float64)
+        meta[0] = _END_OF_SHARD
+        self.cp.broadcast(meta, self.cp.rank, kind="capture")
+
+    def serve(self, owner: int, chunk_size: int, device: torch.device) -> None:
+        """Run the other side of `owner`'s capture until it announces the end of its shard."""
+        by_layer = {view.layer.layer_idx: view for view in self._views.values()}
+        while True:
+            meta = self.cp.broadcast(torch.zeros(10, dtype=torch.float64), owner, kind="capture").tolist()
+            if int(meta[0]) == _END_OF_SHARD:
+                return
+            layer_idx, batch, heads, tokens, dim, first, scaling, window, softcap, dtype = meta
+            query = torch.empty((int(batch), int(heads), int(tokens), int(dim)), dtype=_DTYPES[int(dtype)])
+            query = self.cp.broadcast(query, owner, kind="capture").to(device)
+            positions = torch.arange(int(first), int(first) + int(tokens), device=device)
+            by_layer[int(layer_idx)].serve(
+                query, positions, scaling, None if window < 0 else int(window), softcap or None, chunk_size
+            )
+
+    # -- recurrent layers: the sequential hand-off ---------------------------------------------------------------------
+    def recurrent_layers(self) -> list[ConvRecurrentState]:
+        return [layer for layer in self.layers if isinstance(layer, ConvRecurrentState)]
+
+    def send_recurrent(self, destination: int) -> None:
+        for layer in self.recurrent_layers():
+            self.cp.send(layer.conv[-1], destination)
+            self.cp.send(layer.recurrent[-1], destination)
+
+    def receive_recurrent(self, source: int) -> None:
+        """Start this shard's recurrent layers from the previous shard's final states (as a capture chunk would)."""
+        for layer in self.recurrent_layers():
+            layer.conv.append(self.geometry.placement.store(self.cp.receive(source)))
+            layer.recurrent.append(self.geometry.placement.store(self.cp.receive(source)))
+
+    def share_final_recurrent(self) -> None:
+        """Every rank replays from the whole prompt's recurrent state: the last shard's, broadcast (fixed size)."""
+        last = self.cp.size - 1
+        for layer in self.recurrent_layers():
+            for states in (layer.conv, layer.recurrent):
+                final = self.cp.broadcast(states[-1].clone(), last, kind="recurrent")
+                states[-1] = final
+
+
+@dataclass
+class ContextParallelEngine(LongStrawEngine):
+    """`LongStrawEngine` with the prompt sharded across `context_parallel` (module docstring). With a group of one
+    (or none) it is the plain engine. Every rank of the group must call `capture`, `score` and `replay` with the same
+    arguments, in the same order."""
+
+    context_parallel: ContextParallelGroup | None = field(default=None)
+
+    @property
+    def sharded(self) -> bool:
+        return self.context_parallel is not None and self.context_parallel.size > 1
+
+    @torch.no_grad()
+    def capture(self, model, prompt_ids, first_position):
+        if not self.sharded:
+            return super().capture(model, prompt_ids, first_position)
+        cp = self.context_parallel
+        check_prepared(model)
+        num_tokens = prompt_ids.numel() - 1
+        if num_tokens < cp.size:
+            raise ContextParallelError(
+                f"A prompt of {prompt_ids.numel()} tokens captures {num_tokens} (all but the last), fewer than the "
+                f"{cp.size} ranks of context_parallel_size={cp.size}: every rank needs at least one token of the "
+                "prompt. Lower context_parallel_size or filter out shorter prompts."
+            )
+        if self.prompt_gradient == "exact":
+            raise NotImplementedError("the exact prompt gradient under context parallelism is not implemented yet")
+        state = ShardedPromptState(
+            plan_layers(model),
+            num_tokens,
+            first_position,
+            cp,
+            device=self.state_device or self._device(model),
+            weights_version=weights_version(model),
+            exact=self.prompt_gradient == "exact",
+            fp8_pages=self.prompt_state_dtype == "float8_e4m3fn",
+        )
+        shard_start, shard_end = state.shard
+        for owner in range(cp.size):
+            if owner != cp.rank:
+                state.serve(owner, self.attention_chunk_size, self._device(model))
+                continue
+            if owner > 0:
+                state.receive_recurrent(owner - 1)
+            starts = range(shard_start, shard_end, self.prefill_chunk_size)
+            for chunk_index, start in enumerate(starts):
+                end = min(start + self.prefill_chunk_size, shard_end)
+                self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk_index)
+            state.end_of_shard()
+            if owner < cp.size - 1:
+                state.send_recurrent(owner + 1)
+        state.share_final_recurrent()
+        state.check_captured()
+        finite = torch.tensor([float(state.all_finite())])
+        if not cp.all_reduce(finite, op=dist.ReduceOp.MIN, kind="capture").item():  # every rank raises together
+            raise non_finite_error("the captured prompt state")
+        return state
