@@ -35,6 +35,8 @@ def update(engine, model, prompt, completions, lengths, weights, first_position=
     """Capture, score every member, replay each under autograd with a per-token upstream gradient."""
     model.zero_grad(set_to_none=True)
     state = engine.capture(model, prompt, first_position=first_position)
+    if engine.prompt_gradient == "exact":
+        state.requires_grad_()
     with torch.no_grad():
         scored, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
     replayed = []
@@ -43,6 +45,8 @@ def update(engine, model, prompt, completions, lengths, weights, first_position=
         logps, _ = engine.replay(model, state, prompt[-1:], completions[member], length)
         logps.backward(weights[member, :length])
         replayed.append(logps.detach())
+    if engine.prompt_gradient == "exact":
+        engine.backward_prompt(model, state, prompt)
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     return state, scored, replayed, grads
 
@@ -63,13 +67,13 @@ def attention_bytes(state):
     )
 
 
-def check_family(family, cp):
+def check_family(family, mode, cp):
     model = build_model(family, seed=0)
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     prompt, completions, lengths, weights = case()
-    reference = LongStrawEngine(8, 4)
-    sharded = ContextParallelEngine(8, 4, context_parallel=cp)
+    reference = LongStrawEngine(8, 4, prompt_gradient=mode)
+    sharded = ContextParallelEngine(8, 4, prompt_gradient=mode, context_parallel=cp)
     whole, want_scores, want_logps, want_grads = update(reference, model, prompt, completions, lengths, weights)
     COMMUNICATION.clear()
     state, scores, logps, grads = update(sharded, model, prompt, completions, lengths, weights)
@@ -102,12 +106,12 @@ def check_short_prompt(cp):
     return None
 
 
-def run(rank, world_size, init_file, families, out_dir):
+def run(rank, world_size, init_file, cases, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         cp = ContextParallelGroup.of()
-        results = {family: check_family(family, cp) for family in families}
+        results = {(family, mode): check_family(family, mode, cp) for family, mode in cases}
         results["short_prompt"] = check_short_prompt(cp)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

@@ -42,6 +42,7 @@ the other).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,7 +57,7 @@ from .attention import (
     sinks_gradient,
     sinks_partial,
 )
-from .engine import LongStrawEngine, check_prepared, non_finite_error, weights_version
+from .engine import LongStrawEngine, check_prepared, no_layer_checkpointing, non_finite_error, weights_version
 from .state import AttentionPages, ConvRecurrentState, FeedForwardOnly, PromptState, plan_layers
 
 # Elements sent through each kind of collective by this process (reset it to measure a phase).
@@ -64,8 +65,11 @@ COMMUNICATION: Counter = Counter()
 
 # dtypes a tensor header can name (p2p hand-offs, the capture's query broadcast)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# layer index of the announcement that ends a shard's capture
-_END_OF_SHARD = -1
+# What the owner of a shard announces to the other ranks (the first entry of an announcement), in capture and in the
+# exact-mode recompute: the end of its shard, a forward attention call (capture: nothing kept; recompute: its queries
+# and merged output kept until the call's backward), the backward of a recompute attention call.
+_END_OF_SHARD, _CAPTURE, _RECOMPUTE, _BACKWARD = range(4)
+_ANNOUNCEMENT = 12
 
 
 @dataclass(frozen=True)
@@ -156,70 +160,136 @@ def partial_attention(q, q_positions, scaling, visibility, chunk_size, softcap, 
     return out, lse
 
 
+@dataclass(frozen=True)
+class _Call:
+    """The static side of one `ContextParallelAttention` call.
+
+    `owns_suffix`: this rank counts the forward's own keys (and the sinks). `reduce_suffix`: every rank computed the
+    own keys (replay in lockstep), so their gradients are summed across ranks like dq; otherwise (capture, recompute)
+    only the owner has them. `on_backward`: the recompute's owner announces its backward to the serving ranks.
+    """
+
+    cp: ContextParallelGroup
+    owns_suffix: bool
+    reduce_suffix: bool
+    q_positions: torch.Tensor
+    scaling: float
+    visibility: object
+    chunk_size: int
+    softcap: float | None
+    own_block: KeyBlock
+    on_backward: Callable[[torch.Tensor], None] | None = None
+
+
 class ContextParallelAttention(torch.autograd.Function):
     """Softmax attention of `q [batch, heads, tokens, d]` over the pages of every rank of the CP group plus this
-    forward's own keys (counted on the rank with `owns_suffix` only), one softmax.
+    forward's own keys (counted on the rank that `owns_suffix` only), one softmax.
 
     Forward: this rank's partial over its pages (and the own keys and sinks where it owns them), merged across ranks.
     Backward: each rank's blocks get their gradients from the global output and log-sum-exp; the query-side gradients
-    (q, own keys and values, sinks) are summed across ranks here, so every rank returns the full gradient.
+    (q, sinks, and the own keys and values where every rank has them) are summed across ranks here, so every rank
+    returns the full gradient.
     """
 
     @staticmethod
-    def forward(ctx, q, sinks, own_k, own_v, cp, owns_suffix, q_positions, scaling, visibility, chunk_size, softcap,
-                own_block, page_blocks, *page_tensors):  # fmt: skip
+    def forward(ctx, q, sinks, own_k, own_v, call: _Call, page_blocks, *page_tensors):
         with torch.autocast(q.device.type, enabled=False):
-            blocks = page_blocks + ((own_block,) if owns_suffix else ())
-            tensors = page_tensors + ((own_k, own_v) if owns_suffix else ())
+            blocks = page_blocks + ((call.own_block,) if call.owns_suffix else ())
+            tensors = page_tensors + ((own_k, own_v) if call.owns_suffix else ())
             out, lse = partial_attention(
                 q,
-                q_positions,
-                scaling,
-                visibility,
-                chunk_size,
-                softcap,
+                call.q_positions,
+                call.scaling,
+                call.visibility,
+                call.chunk_size,
+                call.softcap,
                 blocks,
                 tensors,
                 own_v.shape[-1],
-                sinks if owns_suffix else None,
+                sinks if call.owns_suffix else None,
             )
-            out, lse = merge_across(out, lse, cp)
-        ctx.save_for_backward(q, sinks, own_k, own_v, q_positions, out, lse, *page_tensors)
-        ctx.static = (cp, owns_suffix, scaling, visibility, chunk_size, softcap, blocks)
+            out, lse = merge_across(out, lse, call.cp)
+        ctx.save_for_backward(q, sinks, own_k, own_v, out, lse, *page_tensors)
+        ctx.call, ctx.blocks = call, blocks
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
-        q, sinks, own_k, own_v, q_positions, out, lse, *page_tensors = ctx.saved_tensors
-        cp, owns_suffix, scaling, visibility, chunk_size, softcap, blocks = ctx.static
+        q, sinks, own_k, own_v, out, lse, *page_tensors = ctx.saved_tensors
+        call = ctx.call
         need = ctx.needs_input_grad
-        need_pages = need[13:]
         with torch.autocast(q.device.type, enabled=False):
-            d_out = d_out.to(out.dtype)
-            tensors = tuple(page_tensors) + ((own_k, own_v) if owns_suffix else ())
-            flags = (True, *need_pages) + ((need[2], need[3]) if owns_suffix else ())
+            d_out = d_out.to(out.dtype).contiguous()
+            if call.on_backward is not None:
+                call.on_backward(d_out)
+            tensors = tuple(page_tensors) + ((own_k, own_v) if call.owns_suffix else ())
+            flags = (True, *need[6:]) + ((need[2], need[3]) if call.owns_suffix else ())
             d_q, grads = blocks_backward(
-                d_out, q, q_positions, out, lse, scaling, visibility, chunk_size, softcap, blocks, tensors, flags
+                d_out,
+                q,
+                call.q_positions,
+                out,
+                lse,
+                call.scaling,
+                call.visibility,
+                call.chunk_size,
+                call.softcap,
+                ctx.blocks,
+                tensors,
+                flags,
             )
-            d_own_k, d_own_v = grads[len(page_tensors) :] if owns_suffix else (None, None)
-            d_own_k = torch.zeros_like(own_k, dtype=out.dtype) if d_own_k is None else d_own_k.to(out.dtype)
-            d_own_v = torch.zeros_like(own_v, dtype=out.dtype) if d_own_v is None else d_own_v.to(out.dtype)
-            pieces = [d_q, d_own_k, d_own_v]
+            d_own_k, d_own_v = grads[len(page_tensors) :] if call.owns_suffix else (None, None)
+            pieces = [d_q]
+            if call.reduce_suffix:
+                d_own_k = torch.zeros_like(own_k, dtype=out.dtype) if d_own_k is None else d_own_k.to(out.dtype)
+                d_own_v = torch.zeros_like(own_v, dtype=out.dtype) if d_own_v is None else d_own_v.to(out.dtype)
+                pieces += [d_own_k, d_own_v]
             if sinks is not None:
-                d_row = (d_out * out).sum(-1)
-                own_sinks = sinks_gradient(sinks, lse, d_row).to(out.dtype) if owns_suffix else None
+                own_sinks = None
+                if call.owns_suffix:
+                    own_sinks = sinks_gradient(sinks, lse, (d_out * out).sum(-1)).to(out.dtype)
                 pieces.append(torch.zeros_like(sinks, dtype=out.dtype) if own_sinks is None else own_sinks)
-            packed = cp.all_reduce(torch.cat([p.reshape(-1) for p in pieces]), kind="backward")
-            summed, offset = [], 0
-            for piece in pieces:
-                summed.append(packed[offset : offset + piece.numel()].view_as(piece))
-                offset += piece.numel()
+            summed = _unpack(call.cp.all_reduce(_pack(pieces), kind="backward"), pieces)
         d_q = summed[0].to(q.dtype)
-        d_own_k = summed[1].to(own_k.dtype) if need[2] else None
-        d_own_v = summed[2].to(own_v.dtype) if need[3] else None
-        d_sinks = summed[3].to(sinks.dtype) if sinks is not None and need[1] else None
-        page_grads = grads[: len(page_tensors)]
-        return (d_q, d_sinks, d_own_k, d_own_v, *([None] * 9), *page_grads)
+        if call.reduce_suffix:
+            d_own_k, d_own_v = summed[1], summed[2]
+        d_own_k = d_own_k.to(own_k.dtype) if need[2] and d_own_k is not None else None
+        d_own_v = d_own_v.to(own_v.dtype) if need[3] and d_own_v is not None else None
+        d_sinks = summed[-1].to(sinks.dtype) if sinks is not None and need[1] else None
+        return (d_q, d_sinks, d_own_k, d_own_v, None, None, *grads[: len(page_tensors)])
+
+
+def _pack(pieces: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([piece.reshape(-1) for piece in pieces])
+
+
+def _unpack(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    pieces, offset = [], 0
+    for piece in like:
+        pieces.append(packed[offset : offset + piece.numel()].view_as(piece))
+        offset += piece.numel()
+    return pieces
+
+
+def _accumulate_grad(leaf: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add `grad` (for the first entries of `leaf`) to `leaf.grad`, as autograd would for a leaf."""
+    if leaf.grad is None:
+        leaf.grad = torch.zeros_like(leaf)
+    leaf.grad[:, : grad.shape[1]] += grad.to(leaf.grad.dtype)
+
+
+@dataclass
+class _Served:
+    """What a serving rank keeps of one recompute attention call until its backward: one chunk's queries and merge."""
+
+    query: torch.Tensor
+    positions: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    scaling: float
+    sliding_window: int | None
+    softcap: float | None
+    has_sinks: bool
 
 
 class ShardedAttention:
@@ -230,62 +300,108 @@ class ShardedAttention:
         self.layer = layer
         self.state = state
 
-    def page_block(self, device, dtype) -> tuple[tuple[KeyBlock, ...], tuple[torch.Tensor, ...]]:
+    def page_block(self, device, dtype, limit=None) -> tuple[tuple[KeyBlock, ...], tuple[torch.Tensor, ...]]:
+        """This rank's pages (their first `limit` entries) as one shared key block."""
         layer = self.layer
-        if layer.length == 0:
+        limit = layer.length if limit is None else limit
+        if limit == 0:
             return (), ()
-        positions = torch.arange(layer.start_position, layer.start_position + layer.length, device=device)
+        positions = torch.arange(layer.start_position, layer.start_position + limit, device=device)
         dequantize = layer._dequantizer(dtype) if layer.key.fp8 else None
         block = KeyBlock(positions, shared=True, dequantize=dequantize)
-        return (block,), (layer.key.read(), layer.value.read())
+        return (block,), (layer.key.read(limit), layer.value.read(limit))
 
     def attend(self, access, query, key, value, scaling, sliding_window=None, sinks=None, softcap=None, **_):
-        cp = self.state.cp
-        layer = self.layer
+        state, layer = self.state, self.layer
         batch, kv_heads, tokens, _ = key.shape
         visibility = layer.visibility(sliding_window)
-        own_k = key.reshape(batch * kv_heads, tokens, -1)
-        own_v = value.reshape(batch * kv_heads, tokens, -1)
         positions = access.query_positions
-        if access.mode == "capture":
-            self.state.announce(layer.layer_idx, query, positions, scaling, sliding_window, softcap)
-            owns_suffix = True  # the owner of the shard being captured
-        elif access.mode == "read":
-            owns_suffix = cp.rank == 0
-        else:
-            raise NotImplementedError("the exact prompt gradient under context parallelism is not implemented yet")
-        page_blocks, page_tensors = self.page_block(query.device, query.dtype)
-        own_block = KeyBlock(positions, shared=False)
-        out = ContextParallelAttention.apply(
-            query,
-            sinks,
-            own_k,
-            own_v,
-            cp,
+        limit, on_backward = None, None
+        if access.mode == "read":  # every rank runs the member: rank 0 counts its own keys
+            owns_suffix, reduce_suffix = state.cp.rank == 0, True
+        else:  # this rank owns the chunk being captured or recomputed
+            owns_suffix, reduce_suffix = True, False
+            phase = _CAPTURE if access.mode == "capture" else _RECOMPUTE
+            state.announce(phase, layer.layer_idx, query, positions, scaling, sliding_window, softcap, sinks)
+            if access.mode == "recompute":  # the pages before the chunk
+                limit = access.prefix_length - state.shard[0]
+
+                def on_backward(d_out, layer_idx=layer.layer_idx):
+                    state.announce_backward(layer_idx, d_out)
+
+        page_blocks, page_tensors = self.page_block(query.device, query.dtype, limit)
+        call = _Call(
+            state.cp,
             owns_suffix,
+            reduce_suffix,
             positions,
             scaling,
             visibility,
             access.attention_chunk_size,
             softcap,
-            own_block,
-            page_blocks,
-            *page_tensors,
+            KeyBlock(positions, shared=False),
+            on_backward,
         )
+        own_k = key.reshape(batch * kv_heads, tokens, -1)
+        own_v = value.reshape(batch * kv_heads, tokens, -1)
+        out = ContextParallelAttention.apply(query, sinks, own_k, own_v, call, page_blocks, *page_tensors)
         if access.mode == "capture":
             layer._append(key[0], value[0], visibility)
+        elif access.mode == "recompute":
+            access.recorded[layer] = (key[0], value[0])
         return out
 
+    def _served_blocks(self, served: _Served, owner: int):
+        if self.state.cp.rank > owner:  # this shard lies after the owner's queries: nothing it may see
+            return (), ()
+        return self.page_block(served.query.device, served.query.dtype)
+
     @torch.no_grad()
-    def serve(self, query, positions, scaling, sliding_window, softcap, chunk_size) -> None:
-        """Another rank's capture chunk: this rank's partial of its queries over this rank's pages, merged."""
-        blocks, tensors = self.page_block(query.device, query.dtype)
-        visibility = self.layer.visibility(sliding_window)
-        value_dim = tensors[1].shape[-1] if tensors else query.shape[-1]
+    def serve_forward(self, served: _Served, owner: int, chunk_size: int) -> None:
+        """Another rank's chunk: this rank's partial of its queries over this rank's pages, merged on every rank."""
+        blocks, tensors = self._served_blocks(served, owner)
+        visibility = self.layer.visibility(served.sliding_window)
         out, lse = partial_attention(
-            query, positions, scaling, visibility, chunk_size, softcap, blocks, tensors, value_dim, None
+            served.query,
+            served.positions,
+            served.scaling,
+            visibility,
+            chunk_size,
+            served.softcap,
+            blocks,
+            tensors,
+            tensors[1].shape[-1] if tensors else served.query.shape[-1],
+            None,
         )
-        merge_across(out, lse, self.state.cp)
+        served.out, served.lse = merge_across(out, lse, self.state.cp)
+
+    @torch.no_grad()
+    def serve_backward(self, served: _Served, d_out: torch.Tensor, owner: int, chunk_size: int) -> None:
+        """Another rank's recompute backward: this rank's pages get their gradients (accumulated on the state leaves,
+        before this rank recomputes them), and this rank's share of dq goes into the owner's sum."""
+        blocks, tensors = self._served_blocks(served, owner)
+        d_q = torch.zeros(served.query.shape, dtype=served.out.dtype, device=served.query.device)
+        if blocks:
+            d_q, (d_keys, d_values) = blocks_backward(
+                d_out,
+                served.query,
+                served.positions,
+                served.out,
+                served.lse,
+                served.scaling,
+                self.layer.visibility(served.sliding_window),
+                chunk_size,
+                served.softcap,
+                blocks,
+                tensors,
+                (True, True, True),
+            )
+            _accumulate_grad(self.layer.key.data, d_keys)
+            _accumulate_grad(self.layer.value.data, d_values)
+        pieces = [d_q]
+        if served.has_sinks:
+            pieces.append(torch.zeros(served.query.shape[1], dtype=d_q.dtype, device=d_q.device))
+        self.state.cp.all_reduce(_pack(pieces), kind="backward")
 
 
 class ShardedPromptState(PromptState):
@@ -295,6 +411,10 @@ class ShardedPromptState(PromptState):
     positions), so an attention kind's pages hold exactly its shard and know their positions; the state itself
     presents the whole prompt (`num_tokens`, `start_position`), which is what a replay continues after. Attention
     layers are reached through `ShardedAttention`, which merges every rank's partial.
+
+    Recurrent layers: on a rank after the first, entry 0 of each recurrent layer's per-chunk states is the previous
+    shard's final state (the start of this shard), so this rank's capture chunk k is chunk `k + chunk_offset` of its
+    layer states; exact mode keeps, after this shard's own entries, the whole prompt's final state for the replays.
     """
 
     SUPPORTED_LAYER_TYPES = (None, "full_attention", "linear_attention", "hybrid", "mlp", "moe")
@@ -307,6 +427,7 @@ class ShardedPromptState(PromptState):
             plans, num_tokens=shard_end - shard_start, start_position=start_position + shard_start, **kwargs
         )
         self._whole = (num_tokens, start_position)
+        self.chunk_offset = 0
         for layer in self.layers:
             if not isinstance(layer, AttentionPages | ConvRecurrentState | FeedForwardOnly):
                 raise ContextParallelError(
@@ -340,10 +461,11 @@ class ShardedPromptState(PromptState):
         view = self._views.get(id(module))
         return view if view is not None else super().for_mixer(module)
 
-    # -- capture: the owner announces each attention call, the other ranks serve it ----------------------------------
-    def announce(self, layer_idx, query, positions, scaling, sliding_window, softcap) -> None:
-        meta = torch.tensor(
+    # -- capture and recompute: the owner announces each attention call, the other ranks serve it --------------------
+    def announce(self, phase, layer_idx, query, positions, scaling, sliding_window, softcap, sinks) -> None:
+        announcement = torch.tensor(
             [
+                phase,
                 layer_idx,
                 *query.shape,
                 int(positions[0]),
@@ -351,35 +473,56 @@ class ShardedPromptState(PromptState):
                 -1 if sliding_window is None else sliding_window,
                 0.0 if softcap is None else softcap,
                 _DTYPES.index(query.dtype),
+                sinks is not None,
             ],
             dtype=torch.float64,
         )
-        self.cp.broadcast(meta, self.cp.rank, kind="capture")
-        self.cp.broadcast(query.contiguous(), self.cp.rank, kind="capture")
+        self.cp.broadcast(announcement, self.cp.rank, kind="capture")
+        self.cp.broadcast(query.detach().contiguous(), self.cp.rank, kind="capture")
+
+    def announce_backward(self, layer_idx: int, d_out: torch.Tensor) -> None:
+        announcement = torch.zeros(_ANNOUNCEMENT, dtype=torch.float64)
+        announcement[0], announcement[1] = _BACKWARD, layer_idx
+        self.cp.broadcast(announcement, self.cp.rank, kind="recompute")
+        self.cp.broadcast(d_out, self.cp.rank, kind="recompute")
 
     def end_of_shard(self) -> None:
-        meta = torch.zeros(10, dtype=torch.float64)
-        meta[0] = _END_OF_SHARD
-        self.cp.broadcast(meta, self.cp.rank, kind="capture")
+        self.cp.broadcast(torch.zeros(_ANNOUNCEMENT, dtype=torch.float64), self.cp.rank, kind="capture")
 
     def serve(self, owner: int, chunk_size: int, device: torch.device) -> None:
-        """Run the other side of `owner`'s capture until it announces the end of its shard."""
+        """Run the other side of `owner`'s capture (or recompute) until it announces the end of its shard. A serving
+        rank holds at most one chunk of the owner's queries (and their merged output) per attention layer."""
         by_layer = {view.layer.layer_idx: view for view in self._views.values()}
+        kept: dict[int, _Served] = {}
         while True:
-            meta = self.cp.broadcast(torch.zeros(10, dtype=torch.float64), owner, kind="capture").tolist()
-            if int(meta[0]) == _END_OF_SHARD:
+            announcement = torch.zeros(_ANNOUNCEMENT, dtype=torch.float64)
+            phase, layer_idx, *rest = self.cp.broadcast(announcement, owner, kind="capture").tolist()
+            phase, layer_idx = int(phase), int(layer_idx)
+            if phase == _END_OF_SHARD:
                 return
-            layer_idx, batch, heads, tokens, dim, first, scaling, window, softcap, dtype = meta
+            view = by_layer[layer_idx]
+            if phase == _BACKWARD:
+                served = kept.pop(layer_idx)
+                d_out = self.cp.broadcast(torch.empty_like(served.out), owner, kind="recompute")
+                view.serve_backward(served, d_out, owner, chunk_size)
+                continue
+            batch, heads, tokens, dim, first, scaling, window, softcap, dtype, has_sinks = rest
             query = torch.empty((int(batch), int(heads), int(tokens), int(dim)), dtype=_DTYPES[int(dtype)])
             query = self.cp.broadcast(query, owner, kind="capture").to(device)
             positions = torch.arange(int(first), int(first) + int(tokens), device=device)
-            by_layer[int(layer_idx)].serve(
-                query, positions, scaling, None if window < 0 else int(window), softcap or None, chunk_size
+            served = _Served(
+                query, positions, None, None, scaling, None if window < 0 else int(window), softcap or None, has_sinks
             )
+            view.serve_forward(served, owner, chunk_size)
+            if phase == _RECOMPUTE:
+                kept[layer_idx] = served
 
     # -- recurrent layers: the sequential hand-off ---------------------------------------------------------------------
     def recurrent_layers(self) -> list[ConvRecurrentState]:
         return [layer for layer in self.layers if isinstance(layer, ConvRecurrentState)]
+
+    def last_own_entry(self, chunks: int) -> int:
+        return chunks - 1 + self.chunk_offset
 
     def send_recurrent(self, destination: int) -> None:
         for layer in self.recurrent_layers():
@@ -391,27 +534,55 @@ class ShardedPromptState(PromptState):
         for layer in self.recurrent_layers():
             layer.conv.append(self.geometry.placement.store(self.cp.receive(source)))
             layer.recurrent.append(self.geometry.placement.store(self.cp.receive(source)))
+        self.chunk_offset = 1
 
     def share_final_recurrent(self) -> None:
-        """Every rank replays from the whole prompt's recurrent state: the last shard's, broadcast (fixed size)."""
+        """Every rank replays from the whole prompt's recurrent state: the last shard's, broadcast (fixed size).
+        Detach mode replaces this rank's own final state with it; exact mode keeps this rank's entries (the
+        recompute reads them) and appends it."""
         last = self.cp.size - 1
         for layer in self.recurrent_layers():
             for states in (layer.conv, layer.recurrent):
                 final = self.cp.broadcast(states[-1].clone(), last, kind="recurrent")
-                states[-1] = final
+                if self.cp.rank == last:
+                    continue
+                if self.exact:
+                    states.append(final)
+                else:
+                    states[-1] = final
+
+    def send_recurrent_gradients(self, destination: int) -> None:
+        """Exact mode: the gradient on this shard's starting states belongs to the previous shard's final states."""
+        for layer in self.recurrent_layers():
+            for start in (layer.conv[0], layer.recurrent[0]):
+                self.cp.send(torch.zeros_like(start) if start.grad is None else start.grad, destination)
+
+    def receive_recurrent_gradients(self, source: int, chunks: int) -> None:
+        entry = self.last_own_entry(chunks)
+        for layer in self.recurrent_layers():
+            for final in (layer.conv[entry], layer.recurrent[entry]):
+                grad = self.cp.receive(source).to(final.device, final.dtype)
+                final.grad = grad if final.grad is None else final.grad + grad
 
 
 @dataclass
 class ContextParallelEngine(LongStrawEngine):
     """`LongStrawEngine` with the prompt sharded across `context_parallel` (module docstring). With a group of one
-    (or none) it is the plain engine. Every rank of the group must call `capture`, `score` and `replay` with the same
-    arguments, in the same order."""
+    (or none) it is the plain engine. Every rank of the group must call `capture`, `score`, `replay` and
+    `backward_prompt` with the same arguments, in the same order."""
 
     context_parallel: ContextParallelGroup | None = field(default=None)
 
     @property
     def sharded(self) -> bool:
         return self.context_parallel is not None and self.context_parallel.size > 1
+
+    def _own_chunks(self, state: ShardedPromptState) -> list[tuple[int, int]]:
+        shard_start, shard_end = state.shard
+        return [
+            (start, min(start + self.prefill_chunk_size, shard_end))
+            for start in range(shard_start, shard_end, self.prefill_chunk_size)
+        ]
 
     @torch.no_grad()
     def capture(self, model, prompt_ids, first_position):
@@ -426,8 +597,6 @@ class ContextParallelEngine(LongStrawEngine):
                 f"{cp.size} ranks of context_parallel_size={cp.size}: every rank needs at least one token of the "
                 "prompt. Lower context_parallel_size or filter out shorter prompts."
             )
-        if self.prompt_gradient == "exact":
-            raise NotImplementedError("the exact prompt gradient under context parallelism is not implemented yet")
         state = ShardedPromptState(
             plan_layers(model),
             num_tokens,
@@ -438,17 +607,15 @@ class ContextParallelEngine(LongStrawEngine):
             exact=self.prompt_gradient == "exact",
             fp8_pages=self.prompt_state_dtype == "float8_e4m3fn",
         )
-        shard_start, shard_end = state.shard
         for owner in range(cp.size):
             if owner != cp.rank:
                 state.serve(owner, self.attention_chunk_size, self._device(model))
                 continue
             if owner > 0:
                 state.receive_recurrent(owner - 1)
-            starts = range(shard_start, shard_end, self.prefill_chunk_size)
-            for chunk_index, start in enumerate(starts):
-                end = min(start + self.prefill_chunk_size, shard_end)
-                self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk_index)
+            for chunk_index, (start, end) in enumerate(self._own_chunks(state)):
+                chunk = chunk_index + state.chunk_offset
+                self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk)
             state.end_of_shard()
             if owner < cp.size - 1:
                 state.send_recurrent(owner + 1)
@@ -458,3 +625,62 @@ class ContextParallelEngine(LongStrawEngine):
         if not cp.all_reduce(finite, op=dist.ReduceOp.MIN, kind="capture").item():  # every rank raises together
             raise non_finite_error("the captured prompt state")
         return state
+
+    def backward_prompt(self, model, state, prompt_ids) -> None:
+        """Exact mode: each rank pushes its shard's state gradient into the parameters by recomputing its own chunks,
+        shards in reverse order (the last shard's recompute sends gradients into earlier shards' pages, served where
+        they live, and into its starting recurrent state, sent back to the previous shard's owner, before those are
+        recomputed); then the parameter gradients this added are summed across the CP group."""
+        if not self.sharded:
+            return super().backward_prompt(model, state, prompt_ids)
+        cp = self.context_parallel
+        state.check_fresh(weights_version(model))
+        params = [p for p in model.parameters() if p.requires_grad]
+        before = [None if p.grad is None else p.grad.clone() for p in params]
+        chunks = self._own_chunks(state)
+        shard_start = state.shard[0]
+        with no_layer_checkpointing(model), torch.enable_grad():
+            for owner in reversed(range(cp.size)):
+                if owner != cp.rank:
+                    state.serve(owner, self.attention_chunk_size, self._device(model))
+                    continue
+                if owner < cp.size - 1:
+                    state.receive_recurrent_gradients(owner + 1, len(chunks))
+                for chunk_index in reversed(range(len(chunks))):
+                    start, end = chunks[chunk_index]
+                    chunk = chunk_index + state.chunk_offset
+                    access = self._backbone_forward(model, state, "recompute", prompt_ids[start:end], start, chunk)
+                    pairs = [
+                        pair
+                        for layer_state, recorded in access.recorded.items()
+                        for pair in layer_state.recompute_pairs(
+                            recorded, chunk, start - shard_start, end - shard_start
+                        )
+                    ]
+                    if pairs:
+                        torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
+                state.end_of_shard()
+                if owner > 0:
+                    state.send_recurrent_gradients(owner - 1)
+        sum_added_gradients(params, before, cp)
+
+
+def sum_added_gradients(params, before, cp: ContextParallelGroup) -> None:
+    """Sum across the CP group what each rank's prompt recompute added to the parameter gradients (the replays'
+    part, identical on every rank, is kept once). A parameter reached on any rank gets a gradient on every rank."""
+    reached = torch.tensor([float(p.grad is not None) for p in params])
+    cp.all_reduce(reached, op=dist.ReduceOp.MAX, kind="gradients")
+    params = [(p, b) for p, b, r in zip(params, before, reached.tolist(), strict=True) if r]
+    added = [
+        p.grad - b if b is not None else (p.grad if p.grad is not None else torch.zeros_like(p)) for p, b in params
+    ]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, delta in enumerate(added):
+        by_dtype.setdefault(delta.dtype, []).append(index)
+    for indices in by_dtype.values():
+        summed = _unpack(
+            cp.all_reduce(_pack([added[i] for i in indices]), kind="gradients"), [added[i] for i in indices]
+        )
+        for i, total in zip(indices, summed, strict=True):
+            param, base = params[i]
+            param.grad = total.clone() if base is None else base + total
