@@ -63,3 +63,34 @@ def test_each_rank_keeps_only_its_shard(ranks, case):
 def test_a_prompt_shorter_than_the_group_is_refused_naming_the_fix(ranks):
     for rank in ranks:
         assert "Lower context_parallel_size" in rank["short_prompt"]
+
+
+def test_context_parallel_size_is_taken_from_accelerate_and_a_disagreement_is_refused(tmp_path):
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from trl_longstraw import LongStrawGRPOConfig
+
+    common = {"output_dir": str(tmp_path), "report_to": "none", "use_cpu": True}
+    assert LongStrawGRPOConfig(**common).context_parallel_size == 1
+    adopted = LongStrawGRPOConfig(**common, parallelism_config=ParallelismConfig(cp_size=2))
+    assert adopted.context_parallel_size == 2
+    assert adopted.parallelism_config is None  # Accelerate's own CP stays off: LongStraw's replaces it
+    with pytest.raises(ValueError, match="context_parallel_size=4 but Accelerate's parallelism_config has cp_size=2"):
+        LongStrawGRPOConfig(**common, parallelism_config=ParallelismConfig(cp_size=2), context_parallel_size=4)
+    with pytest.raises(ValueError, match="positive integer"):
+        LongStrawGRPOConfig(**common, context_parallel_size=0)
+
+
+def test_groups_need_a_distributed_launch_and_a_world_the_size_divides(tmp_path):
+    import torch.distributed as dist
+
+    from trl_longstraw.context_parallel import ContextParallelError, build_parallel_groups
+
+    with pytest.raises(ContextParallelError, match="needs a distributed launch: run `accelerate launch"):
+        build_parallel_groups(2)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ContextParallelError, match="does not divide the 1 processes.*launch a multiple of 2"):
+            build_parallel_groups(2)
+    finally:
+        dist.destroy_process_group()

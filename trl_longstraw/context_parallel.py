@@ -684,3 +684,53 @@ def sum_added_gradients(params, before, cp: ContextParallelGroup) -> None:
         for i, total in zip(indices, summed, strict=True):
             param, base = params[i]
             param.grad = total.clone() if base is None else base + total
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """Data x context parallelism: this rank's CP group (the ranks that share its prompts) and its DP group (the
+    ranks at the same index of the other CP groups, across which gradients are averaged, as DDP would)."""
+
+    context: ContextParallelGroup
+    data: dist.ProcessGroup | None
+
+
+def build_parallel_groups(context_parallel_size: int) -> ParallelGroups:
+    """`world = dp x cp` process groups on `torch.distributed`: consecutive ranks `[k cp, (k + 1) cp)` form CP group
+    k (neighbours share a prompt: on a multi-GPU node they share the fastest links); ranks `i, i + cp, ...` form a DP
+    group. Every rank creates every group, in the same order, as `new_group` requires."""
+    size = context_parallel_size
+    if not dist.is_available() or not dist.is_initialized():
+        raise ContextParallelError(
+            f"context_parallel_size={size} needs a distributed launch: run `accelerate launch --num_processes N` with "
+            f"N a multiple of {size}, or set context_parallel_size=1."
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size:
+        raise ContextParallelError(
+            f"context_parallel_size={size} does not divide the {world} processes (world = data parallel x context "
+            f"parallel): launch a multiple of {size} processes, or set context_parallel_size to a divisor of {world}."
+        )
+    context = data = None
+    for first in range(0, world, size):
+        ranks = list(range(first, first + size))
+        group = dist.new_group(ranks)
+        context = group if rank in ranks else context
+    for index in range(size):
+        ranks = list(range(index, world, size))
+        group = dist.new_group(ranks)
+        data = group if rank in ranks else data
+    return ParallelGroups(ContextParallelGroup.of(context), data)
+
+
+def share_leader_inputs(inputs, cp: ContextParallelGroup):
+    """Every rank of a CP group generates and trains on its first rank's rows, from its random state: the group then
+    samples the same completions and computes the same loss, so its ranks can replay the same members in lockstep.
+    (The other ranks' own rows of the step are not used: a sampler that hands a CP group one set of rows would spare
+    them; see the README.)"""
+    payload = [inputs, torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
+    dist.broadcast_object_list(payload, group=cp.group, group_src=0)
+    torch.set_rng_state(payload[1])
+    if payload[2] is not None:
+        torch.cuda.set_rng_state(payload[2])
+    return payload[0]

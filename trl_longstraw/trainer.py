@@ -25,8 +25,9 @@ from trl.extras.profiling import profiling_context, profiling_decorator
 from .architectures import check_supported
 from .attention import ATTENTION_IMPLEMENTATION, register_attention
 from .config import LongStrawGRPOConfig
+from .context_parallel import ContextParallelEngine, build_parallel_groups, share_leader_inputs
 from .distributed import average_gradients
-from .engine import LongStrawEngine, ensure_finite, non_finite_error, weights_version
+from .engine import ensure_finite, non_finite_error, weights_version
 from .loss import member_backward, replayed_scores
 from .telemetry import PhaseTelemetry
 
@@ -189,12 +190,15 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             if policy_or_ref is not None:
                 self.accelerator.unwrap_model(policy_or_ref).set_attn_implementation(ATTENTION_IMPLEMENTATION)
         state_device = None if args.prompt_state_device == "auto" else torch.device(args.prompt_state_device)
-        self.engine = LongStrawEngine(
+        # Context parallelism (context_parallel.py): None, or this rank's CP and DP groups.
+        self._parallel = build_parallel_groups(args.context_parallel_size) if args.context_parallel_size > 1 else None
+        self.engine = ContextParallelEngine(
             prefill_chunk_size=args.prefill_chunk_size,
             attention_chunk_size=args.attention_chunk_size,
             state_device=state_device,
             prompt_gradient=args.prompt_gradient,
             prompt_state_dtype=args.prompt_state_dtype,
+            context_parallel=None if self._parallel is None else self._parallel.context,
         )
         self._telemetry = PhaseTelemetry(
             self.accelerator.device, enabled=args.log_phase_metrics, synchronize=args.sync_phase_metrics
@@ -432,8 +436,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     self._kept = _KeptState(group, state)
                 del state
             self._give_every_reached_parameter_a_gradient(causal_lm, groups, completion_ids, replayed)
-            if self.accelerator.sync_gradients:
-                average_gradients(self._reached)
+            if self.accelerator.sync_gradients:  # across DP only: a CP group's ranks already agree
+                average_gradients(self._reached, None if self._parallel is None else self._parallel.data)
 
     def _give_every_reached_parameter_a_gradient(self, causal_lm, groups, completion_ids, replayed: bool) -> None:
         """Zero `.grad` for every parameter a backward reaches and that none reached this time, as stock's would be.
@@ -489,6 +493,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         self._kept = None  # generation needs the memory, and the weights may have moved since
+        if self._parallel is not None:  # a CP group shares its prompts, so it must share its rows
+            inputs = share_leader_inputs(inputs, self._parallel.context)
         return super()._generate_and_score_completions(inputs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
