@@ -133,15 +133,18 @@ def table(records: list[dict], args) -> str:
     lines = [
         title,
         "",
-        "| cp | rank | shard | state GiB | peak RSS GiB | peak added GiB | capture s | score s | replay s | step s |",
-        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        (
+            "| cp | rank | shard | state GiB | peak RSS GiB | peak added GiB | capture s | score s | replay s | prompt "
+            "backward s | step s |"
+        ),
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in records:
         t = r["times_s"]
         lines.append(
             f"| {r['cp']} | {r['rank']} | {r['shard'][0]}-{r['shard'][1]} | {r['state_gib']:.4f} | "
             f"{r['peak_rss_gib']:.3f} | {r['peak_added_gib']:.3f} | {t['capture']:.2f} | {t['score']:.2f} | "
-            f"{t['replay']:.2f} | {r['step_s']:.2f} |"
+            f"{t['replay']:.2f} | {t.get('prompt_backward', 0.0):.2f} | {r['step_s']:.2f} |"
         )
     sharded = [r for r in records if r["cp"] > 1]
     if sharded:

@@ -18,7 +18,7 @@ from trl_longstraw.context_parallel import (
 )
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine, prepare_model
-from trl_longstraw.state import AttentionPages
+from trl_longstraw.state import AttentionPages, LatentPages
 
 PROMPT_LENGTH, COMPLETION_WIDTH = 37, 7
 
@@ -59,10 +59,11 @@ def relative_errors(got, want, floor_fraction):
 
 
 def attention_bytes(state):
+    """Bytes of the per-token pages (K/V, MLA latents): what sharding divides."""
     return sum(
         t.numel() * t.element_size()
         for layer in state.layers
-        if isinstance(layer, AttentionPages)
+        if isinstance(layer, AttentionPages | LatentPages)
         for t in layer.tensors()
     )
 
@@ -84,7 +85,7 @@ def check_family(family, mode, cp):
         "score_error": (scores - want_scores).abs().max().item(),
         "replay_error": max((a - b).abs().max().item() for a, b in zip(logps, want_logps, strict=True)),
         "same_parameters": sorted(grads) == sorted(want_grads),
-        "grad_errors": relative_errors(grads, want_grads, 1e-3 if family == "qwen3_5" else 0.0),
+        "grad_errors": relative_errors(grads, want_grads, 1e-3 if family in ("qwen3_5", "qwen3_next") else 0.0),
         "rank_difference": max((g - gathered[0]).abs().max().item() for g in gathered),
         "state_bytes": state.nbytes(),
         "whole_state_bytes": whole.nbytes(),

@@ -11,7 +11,16 @@ from trl_longstraw.context_parallel import capture_attention_pairs, shard_bounds
 
 from .context_parallel_worker import run
 
-CASES = [(family, mode) for family in ("qwen3", "qwen3_5") for mode in ("detach", "exact")]
+# Dense attention, the GatedDeltaNet hybrid (qwen3_5: its one attention layer is the last, so the exact recompute's
+# cross-shard page gradients need qwen3_next, whose attention layers feed GatedDeltaNet layers), MLA latent pages.
+CASES = [
+    ("qwen3", "detach"),
+    ("qwen3", "exact"),
+    ("qwen3_5", "detach"),
+    ("qwen3_next", "exact"),
+    ("deepseek_v3", "detach"),
+    ("deepseek_v3", "exact"),
+]
 WORLD_SIZE = 2
 
 
@@ -20,7 +29,9 @@ def ranks(tmp_path_factory):
     """Both ranks' results, from one spawn for every family and mode (the spawn's imports dominate the time)."""
     out = tmp_path_factory.mktemp("cp")
     os.environ["OMP_NUM_THREADS"] = "1"
-    mp.spawn(run, args=(WORLD_SIZE, str(out / "init"), CASES, str(out)), nprocs=WORLD_SIZE, join=True)
+    # fork: the ranks inherit this process's imports (transformers, TRL), which a spawn would redo in each (~15 s)
+    args = (WORLD_SIZE, str(out / "init"), CASES, str(out))
+    mp.start_processes(run, args=args, nprocs=WORLD_SIZE, join=True, start_method="fork")
     return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
 
 

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from .attention import (
+    CAUSAL,
     KeyBlock,
     _finite,
     blocks_backward,
@@ -58,7 +59,8 @@ from .attention import (
     sinks_partial,
 )
 from .engine import LongStrawEngine, check_prepared, no_layer_checkpointing, non_finite_error, weights_version
-from .state import AttentionPages, ConvRecurrentState, FeedForwardOnly, PromptState, plan_layers
+from .state import AttentionPages, ConvRecurrentState, FeedForwardOnly, LatentPages, PromptState, plan_layers
+from .state.mla import absorbed_weights
 
 # Elements sent through each kind of collective by this process (reset it to measure a phase).
 COMMUNICATION: Counter = Counter()
@@ -69,7 +71,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # exact-mode recompute: the end of its shard, a forward attention call (capture: nothing kept; recompute: its queries
 # and merged output kept until the call's backward), the backward of a recompute attention call.
 _END_OF_SHARD, _CAPTURE, _RECOMPUTE, _BACKWARD = range(4)
-_ANNOUNCEMENT = 12
+_ANNOUNCEMENT = 13
 
 
 @dataclass(frozen=True)
@@ -290,31 +292,35 @@ class _Served:
     sliding_window: int | None
     softcap: float | None
     has_sinks: bool
+    value_dim: int
 
 
-class ShardedAttention:
-    """What the registered attention reaches for an attention layer of a sharded state: the layer's own pages (its
-    shard, at its absolute positions) as this rank's partial, merged across the CP group."""
+class ShardedView:
+    """What the registered attention reaches for a paged layer of a sharded state: the layer's own pages (its shard,
+    at its absolute positions) as this rank's partial, merged across the CP group. A subclass per paged kind says
+    how its pages form a key block and how this forward's queries and own keys are formed."""
 
-    def __init__(self, layer: AttentionPages, state: ShardedPromptState):
+    def __init__(self, layer, state: ShardedPromptState):
         self.layer = layer
         self.state = state
 
+    # -- per kind ----------------------------------------------------------------------------------------------------
     def page_block(self, device, dtype, limit=None) -> tuple[tuple[KeyBlock, ...], tuple[torch.Tensor, ...]]:
-        """This rank's pages (their first `limit` entries) as one shared key block."""
-        layer = self.layer
-        limit = layer.length if limit is None else limit
-        if limit == 0:
-            return (), ()
-        positions = torch.arange(layer.start_position, layer.start_position + limit, device=device)
-        dequantize = layer._dequantizer(dtype) if layer.key.fp8 else None
-        block = KeyBlock(positions, shared=True, dequantize=dequantize)
-        return (block,), (layer.key.read(limit), layer.value.read(limit))
+        """This rank's pages (their first `limit` entries; all by default) as one shared key block, or nothing."""
+        raise NotImplementedError
 
-    def attend(self, access, query, key, value, scaling, sliding_window=None, sinks=None, softcap=None, **_):
-        state, layer = self.state, self.layer
-        batch, kv_heads, tokens, _ = key.shape
-        visibility = layer.visibility(sliding_window)
+    def visibility(self, sliding_window: int | None):
+        return CAUSAL
+
+    def accumulate(self, d_keys: torch.Tensor, d_values: torch.Tensor) -> None:
+        """Add a served backward's gradients of the page block's keys and values to the page leaves."""
+        raise NotImplementedError
+
+    # -- shared ------------------------------------------------------------------------------------------------------
+    def sharded_attention(self, access, query, own_k, own_v, scaling, sliding_window, softcap, sinks):
+        """`query` over every rank's pages and over `own_k/own_v` (this forward's own keys, `[batch * groups, tokens,
+        d]`), as one softmax across the CP group; announced to the serving ranks when this rank owns the chunk."""
+        state = self.state
         positions = access.query_positions
         limit, on_backward = None, None
         if access.mode == "read":  # every rank runs the member: rank 0 counts its own keys
@@ -322,11 +328,13 @@ class ShardedAttention:
         else:  # this rank owns the chunk being captured or recomputed
             owns_suffix, reduce_suffix = True, False
             phase = _CAPTURE if access.mode == "capture" else _RECOMPUTE
-            state.announce(phase, layer.layer_idx, query, positions, scaling, sliding_window, softcap, sinks)
+            state.announce(
+                phase, self.layer.layer_idx, query, own_v.shape[-1], positions, scaling, sliding_window, softcap, sinks
+            )
             if access.mode == "recompute":  # the pages before the chunk
                 limit = access.prefix_length - state.shard[0]
 
-                def on_backward(d_out, layer_idx=layer.layer_idx):
+                def on_backward(d_out, layer_idx=self.layer.layer_idx):
                     state.announce_backward(layer_idx, d_out)
 
         page_blocks, page_tensors = self.page_block(query.device, query.dtype, limit)
@@ -336,20 +344,13 @@ class ShardedAttention:
             reduce_suffix,
             positions,
             scaling,
-            visibility,
+            self.visibility(sliding_window),
             access.attention_chunk_size,
             softcap,
             KeyBlock(positions, shared=False),
             on_backward,
         )
-        own_k = key.reshape(batch * kv_heads, tokens, -1)
-        own_v = value.reshape(batch * kv_heads, tokens, -1)
-        out = ContextParallelAttention.apply(query, sinks, own_k, own_v, call, page_blocks, *page_tensors)
-        if access.mode == "capture":
-            layer._append(key[0], value[0], visibility)
-        elif access.mode == "recompute":
-            access.recorded[layer] = (key[0], value[0])
-        return out
+        return ContextParallelAttention.apply(query, sinks, own_k, own_v, call, page_blocks, *page_tensors)
 
     def _served_blocks(self, served: _Served, owner: int):
         if self.state.cp.rank > owner:  # this shard lies after the owner's queries: nothing it may see
@@ -360,17 +361,16 @@ class ShardedAttention:
     def serve_forward(self, served: _Served, owner: int, chunk_size: int) -> None:
         """Another rank's chunk: this rank's partial of its queries over this rank's pages, merged on every rank."""
         blocks, tensors = self._served_blocks(served, owner)
-        visibility = self.layer.visibility(served.sliding_window)
         out, lse = partial_attention(
             served.query,
             served.positions,
             served.scaling,
-            visibility,
+            self.visibility(served.sliding_window),
             chunk_size,
             served.softcap,
             blocks,
             tensors,
-            tensors[1].shape[-1] if tensors else served.query.shape[-1],
+            served.value_dim,
             None,
         )
         served.out, served.lse = merge_across(out, lse, self.state.cp)
@@ -389,19 +389,93 @@ class ShardedAttention:
                 served.out,
                 served.lse,
                 served.scaling,
-                self.layer.visibility(served.sliding_window),
+                self.visibility(served.sliding_window),
                 chunk_size,
                 served.softcap,
                 blocks,
                 tensors,
                 (True, True, True),
             )
-            _accumulate_grad(self.layer.key.data, d_keys)
-            _accumulate_grad(self.layer.value.data, d_values)
+            self.accumulate(d_keys, d_values)
         pieces = [d_q]
         if served.has_sinks:
             pieces.append(torch.zeros(served.query.shape[1], dtype=d_q.dtype, device=d_q.device))
         self.state.cp.all_reduce(_pack(pieces), kind="backward")
+
+
+class ShardedAttention(ShardedView):
+    """Softmax attention (GQA/MQA): this rank's K/V pages."""
+
+    def page_block(self, device, dtype, limit=None):
+        layer = self.layer
+        limit = layer.length if limit is None else limit
+        if limit == 0:
+            return (), ()
+        positions = torch.arange(layer.start_position, layer.start_position + limit, device=device)
+        dequantize = layer._dequantizer(dtype) if layer.key.fp8 else None
+        block = KeyBlock(positions, shared=True, dequantize=dequantize)
+        return (block,), (layer.key.read(limit), layer.value.read(limit))
+
+    def visibility(self, sliding_window):
+        return self.layer.visibility(sliding_window)
+
+    def accumulate(self, d_keys, d_values):
+        _accumulate_grad(self.layer.key.data, d_keys)
+        _accumulate_grad(self.layer.value.data, d_values)
+
+    def attend(self, access, query, key, value, scaling, sliding_window=None, sinks=None, softcap=None, **_):
+        layer = self.layer
+        batch, kv_heads, tokens, _ = key.shape
+        own_k = key.reshape(batch * kv_heads, tokens, -1)
+        own_v = value.reshape(batch * kv_heads, tokens, -1)
+        out = self.sharded_attention(access, query, own_k, own_v, scaling, sliding_window, softcap, sinks)
+        if access.mode == "capture":
+            layer._append(key[0], value[0], layer.visibility(sliding_window))
+        elif access.mode == "recompute":
+            access.recorded[layer] = (key[0], value[0])
+        return out
+
+
+class ShardedLatentAttention(ShardedView):
+    """MLA: this rank's latent pages, read as multi-query attention by the absorbed queries (as `LatentPages`)."""
+
+    def page_block(self, device, dtype, limit=None):
+        pages = self.layer.pages
+        limit = pages.length if limit is None else limit
+        if limit == 0:
+            return (), ()
+        start = self.layer.prompt.start_position  # the shard's first absolute position
+        positions = torch.arange(start, start + limit, device=device)
+        data = pages.read(limit)
+        return (KeyBlock(positions, shared=True),), (data, data[..., : self.layer.mixer.kv_lora_rank])
+
+    def accumulate(self, d_keys, d_values):
+        leaf = self.layer.pages.data
+        if leaf.grad is None:
+            leaf.grad = torch.zeros_like(leaf)
+        leaf.grad[:, : d_keys.shape[1]] += d_keys.to(leaf.grad.dtype)
+        leaf.grad[:, : d_values.shape[1], : d_values.shape[-1]] += d_values.to(leaf.grad.dtype)
+
+    def attend(self, access, query, key, value, scaling, indices=None, **_):
+        layer = self.layer
+        if indices is not None:
+            raise ContextParallelError(
+                "DSA top-k selection under context parallelism needs a cross-rank candidate merge, not implemented "
+                "yet: set context_parallel_size=1 for this model."
+            )
+        module = layer.mixer
+        latent, rope_key = access.cache_inputs[layer.layer_idx]
+        own_keys = torch.cat([latent, rope_key], dim=-1)[:, 0]  # [batch, tokens, rank + rope]
+        rank = module.kv_lora_rank
+        w_uk, w_uv = absorbed_weights(module)
+        query_nope, query_rope = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
+        absorbed = torch.cat([torch.einsum("bhtn,khn->bhtk", query_nope, w_uk.to(query.dtype)), query_rope], dim=-1)
+        out = self.sharded_attention(access, absorbed, own_keys, own_keys[..., :rank], scaling, None, None, None)
+        if access.mode == "capture":
+            layer.pages.append(own_keys[:1])
+        elif access.mode == "recompute":
+            access.recorded[layer] = own_keys[0]
+        return torch.einsum("bhtk,khv->bhtv", out, w_uv.to(out.dtype))
 
 
 class ShardedPromptState(PromptState):
@@ -410,7 +484,7 @@ class ShardedPromptState(PromptState):
     Its layer states see the geometry of this rank's shard (`geometry`: the shard's tokens at their absolute
     positions), so an attention kind's pages hold exactly its shard and know their positions; the state itself
     presents the whole prompt (`num_tokens`, `start_position`), which is what a replay continues after. Attention
-    layers are reached through `ShardedAttention`, which merges every rank's partial.
+    and MLA layers are reached through a `ShardedView`, which merges every rank's partial.
 
     Recurrent layers: on a rank after the first, entry 0 of each recurrent layer's per-chunk states is the previous
     shard's final state (the start of this shard), so this rank's capture chunk k is chunk `k + chunk_offset` of its
@@ -429,7 +503,7 @@ class ShardedPromptState(PromptState):
         self._whole = (num_tokens, start_position)
         self.chunk_offset = 0
         for layer in self.layers:
-            if not isinstance(layer, AttentionPages | ConvRecurrentState | FeedForwardOnly):
+            if not isinstance(layer, AttentionPages | LatentPages | ConvRecurrentState | FeedForwardOnly):
                 raise ContextParallelError(
                     f"Layer {layer.layer_idx} keeps a {type(layer).name!r} state, which context parallelism does not "
                     "shard yet: set context_parallel_size=1 for this model."
@@ -439,10 +513,9 @@ class ShardedPromptState(PromptState):
                     f"Layer {layer.layer_idx} is a {layer.layer_type!r} layer: context parallelism shards full "
                     "attention and recurrent layers only so far. Set context_parallel_size=1 for this model."
                 )
+        views = {AttentionPages: ShardedAttention, LatentPages: ShardedLatentAttention}
         self._views = {
-            id(layer.mixer): ShardedAttention(layer, self)
-            for layer in self.layers
-            if isinstance(layer, AttentionPages)
+            id(layer.mixer): views[type(layer)](layer, self) for layer in self.layers if type(layer) in views
         }
 
     @property
@@ -462,12 +535,13 @@ class ShardedPromptState(PromptState):
         return view if view is not None else super().for_mixer(module)
 
     # -- capture and recompute: the owner announces each attention call, the other ranks serve it --------------------
-    def announce(self, phase, layer_idx, query, positions, scaling, sliding_window, softcap, sinks) -> None:
+    def announce(self, phase, layer_idx, query, value_dim, positions, scaling, sliding_window, softcap, sinks) -> None:
         announcement = torch.tensor(
             [
                 phase,
                 layer_idx,
                 *query.shape,
+                value_dim,
                 int(positions[0]),
                 scaling,
                 -1 if sliding_window is None else sliding_window,
@@ -506,13 +580,12 @@ class ShardedPromptState(PromptState):
                 d_out = self.cp.broadcast(torch.empty_like(served.out), owner, kind="recompute")
                 view.serve_backward(served, d_out, owner, chunk_size)
                 continue
-            batch, heads, tokens, dim, first, scaling, window, softcap, dtype, has_sinks = rest
+            batch, heads, tokens, dim, value_dim, first, scaling, window, softcap, dtype, has_sinks = rest
             query = torch.empty((int(batch), int(heads), int(tokens), int(dim)), dtype=_DTYPES[int(dtype)])
             query = self.cp.broadcast(query, owner, kind="capture").to(device)
             positions = torch.arange(int(first), int(first) + int(tokens), device=device)
-            served = _Served(
-                query, positions, None, None, scaling, None if window < 0 else int(window), softcap or None, has_sinks
-            )
+            window = None if window < 0 else int(window)
+            served = _Served(query, positions, None, None, scaling, window, softcap or None, has_sinks, int(value_dim))
             view.serve_forward(served, owner, chunk_size)
             if phase == _RECOMPUTE:
                 kept[layer_idx] = served
