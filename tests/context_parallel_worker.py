@@ -85,7 +85,9 @@ def check_family(family, mode, cp):
         "score_error": (scores - want_scores).abs().max().item(),
         "replay_error": max((a - b).abs().max().item() for a, b in zip(logps, want_logps, strict=True)),
         "same_parameters": sorted(grads) == sorted(want_grads),
-        "grad_errors": relative_errors(grads, want_grads, 1e-3 if family in ("qwen3_5", "qwen3_next") else 0.0),
+        "grad_errors": relative_errors(
+            grads, want_grads, 1e-3 if family in ("qwen3_5", "qwen3_next", "nemotron_h") else 0.0
+        ),
         "rank_difference": max((g - gathered[0]).abs().max().item() for g in gathered),
         "state_bytes": state.nbytes(),
         "whole_state_bytes": whole.nbytes(),
@@ -96,12 +98,13 @@ def check_family(family, mode, cp):
     }
 
 
-def check_short_prompt(cp):
-    model = build_model("qwen3", seed=0)
+def refusal(cp, family="qwen3", prompt_length=2):
+    """The error a capture raises (before any collective, on every rank), or None."""
+    model = build_model(family, seed=0)
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     try:
-        ContextParallelEngine(8, 4, context_parallel=cp).capture(model, torch.tensor([5, 6]), first_position=0)
+        ContextParallelEngine(8, 4, context_parallel=cp).capture(model, torch.arange(5, 5 + prompt_length), 0)
     except ContextParallelError as error:
         return str(error)
     return None
@@ -113,7 +116,9 @@ def run(rank, world_size, init_file, cases, out_dir):
     try:
         cp = ContextParallelGroup.of()
         results = {(family, mode): check_family(family, mode, cp) for family, mode in cases}
-        results["short_prompt"] = check_short_prompt(cp)
+        results["short_prompt"] = refusal(cp)
+        results["windowed"] = refusal(cp, "mistral", PROMPT_LENGTH)
+        results["dsa"] = refusal(cp, "glm_moe_dsa", PROMPT_LENGTH)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

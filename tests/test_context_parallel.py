@@ -20,6 +20,7 @@ CASES = [
     ("qwen3_next", "exact"),
     ("deepseek_v3", "detach"),
     ("deepseek_v3", "exact"),
+    ("nemotron_h", "exact"),  # Mamba2 + attention + MoE blocks
 ]
 WORLD_SIZE = 2
 
@@ -74,6 +75,12 @@ def test_each_rank_keeps_only_its_shard(ranks, case):
 def test_a_prompt_shorter_than_the_group_is_refused_naming_the_fix(ranks):
     for rank in ranks:
         assert "Lower context_parallel_size" in rank["short_prompt"]
+
+
+def test_layers_not_sharded_yet_are_refused_naming_the_fix(ranks):
+    for rank in ranks:
+        assert "with a window" in rank["windowed"] and "context_parallel_size=1" in rank["windowed"]
+        assert "'dsa_indexer'" in rank["dsa"] and "context_parallel_size=1" in rank["dsa"]
 
 
 def test_context_parallel_size_is_taken_from_accelerate_and_a_disagreement_is_refused(tmp_path):

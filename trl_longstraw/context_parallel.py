@@ -60,6 +60,7 @@ from .attention import (
 )
 from .engine import LongStrawEngine, check_prepared, no_layer_checkpointing, non_finite_error, weights_version
 from .state import AttentionPages, ConvRecurrentState, FeedForwardOnly, LatentPages, PromptState, plan_layers
+from .state.attention import sliding_window_of
 from .state.mla import absorbed_weights
 
 # Elements sent through each kind of collective by this process (reset it to measure a phase).
@@ -502,21 +503,31 @@ class ShardedPromptState(PromptState):
         )
         self._whole = (num_tokens, start_position)
         self.chunk_offset = 0
+        self._refuse_unsharded_layers()
+        views = {AttentionPages: ShardedAttention, LatentPages: ShardedLatentAttention}
+        self._views = {
+            id(layer.mixer): views[type(layer)](layer, self) for layer in self.layers if type(layer) in views
+        }
+
+    def _refuse_unsharded_layers(self) -> None:
+        """Kinds and layers context parallelism does not shard yet are refused before any collective (every rank
+        refuses alike), unsupported kinds first: they name the mixer (a DSA layer is also an 'indexed_attention')."""
         for layer in self.layers:
             if not isinstance(layer, AttentionPages | LatentPages | ConvRecurrentState | FeedForwardOnly):
                 raise ContextParallelError(
                     f"Layer {layer.layer_idx} keeps a {type(layer).name!r} state, which context parallelism does not "
                     "shard yet: set context_parallel_size=1 for this model."
                 )
-            if layer.layer_type not in self.SUPPORTED_LAYER_TYPES:
+        for layer in self.layers:
+            windowed = isinstance(layer, AttentionPages) and (
+                layer.chunk_size is not None or sliding_window_of(layer.mixer, layer.mixer.config, layer.layer_type)
+            )
+            if layer.layer_type not in self.SUPPORTED_LAYER_TYPES or windowed:
                 raise ContextParallelError(
-                    f"Layer {layer.layer_idx} is a {layer.layer_type!r} layer: context parallelism shards full "
-                    "attention and recurrent layers only so far. Set context_parallel_size=1 for this model."
+                    f"Layer {layer.layer_idx} is a {layer.layer_type!r} layer{' with a window' if windowed else ''}: "
+                    "context parallelism shards full attention, MLA and recurrent layers only so far. Set "
+                    "context_parallel_size=1 for this model."
                 )
-        views = {AttentionPages: ShardedAttention, LatentPages: ShardedLatentAttention}
-        self._views = {
-            id(layer.mixer): views[type(layer)](layer, self) for layer in self.layers if type(layer) in views
-        }
 
     @property
     def num_tokens(self) -> int:
