@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 from trl_longstraw.context_parallel import capture_attention_pairs, shard_bounds
 
-from .context_parallel_worker import run
+from .context_parallel_worker import run, run_data_and_context_parallel
 
 # Dense attention, the GatedDeltaNet hybrid (qwen3_5: its one attention layer is the last, so the exact recompute's
 # cross-shard page gradients need qwen3_next, whose attention layers feed GatedDeltaNet layers), MLA latent pages.
@@ -112,3 +112,17 @@ def test_groups_need_a_distributed_launch_and_a_world_the_size_divides(tmp_path)
             build_parallel_groups(2)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["detach", "exact"])
+def test_data_times_context_parallel_ranks_end_with_the_mean_single_process_gradient(tmp_path, mode):
+    """4 ranks, dp = 2 x cp = 2: CP groups {0, 1} and {2, 3} take one prompt each, DP groups {0, 2} and {1, 3}."""
+    args = (4, str(tmp_path / "init"), mode, str(tmp_path))
+    mp.start_processes(run_data_and_context_parallel, args=args, nprocs=4, join=True, start_method="fork")
+    for rank in range(4):
+        result = torch.load(tmp_path / f"dpcp-{mode}-rank{rank}.pt")
+        assert result["context_ranks"] == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert result["data_ranks"] == [rank % 2, rank % 2 + 2]
+        worst = max(result["grad_errors"], key=result["grad_errors"].get)
+        assert result["grad_errors"][worst] <= 1e-4, worst
+        assert result["rank_difference"] == 0.0
