@@ -97,6 +97,11 @@ def test_context_parallel_size_is_taken_from_accelerate_and_a_disagreement_is_re
         LongStrawGRPOConfig(**common, parallelism_config=ParallelismConfig(cp_size=2), context_parallel_size=4)
     with pytest.raises(ValueError, match="positive integer"):
         LongStrawGRPOConfig(**common, context_parallel_size=0)
+    # One process cannot build the case (TRL's own check refuses it first); on 2 ranks, 2 rows each, groups of 4 can.
+    config = LongStrawGRPOConfig(**common, context_parallel_size=2, per_device_train_batch_size=4, num_generations=4)
+    config.per_device_train_batch_size = 2
+    with pytest.raises(ValueError, match="2 rows\\) to hold whole groups of num_generations=4"):
+        config._validate_context_parallel_batches()
 
 
 def test_groups_need_a_distributed_launch_and_a_world_the_size_divides(tmp_path):

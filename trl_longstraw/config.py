@@ -160,6 +160,22 @@ class LongStrawGRPOConfig(GRPOConfig):
         self._adopt_accelerate_context_parallel_size()
         self._validate_longstraw_fields()
         super().__post_init__()
+        self._validate_context_parallel_batches()
+
+    def _validate_context_parallel_batches(self) -> None:
+        """A CP group trains on the rows of its first rank (`context_parallel.share_leader_inputs`), so each rank's
+        share of a generation batch must hold whole groups: a group spread over the ranks of a CP group would be
+        replaced by copies of its first rank's part."""
+        if self.context_parallel_size == 1:
+            return
+        rows = self.per_device_train_batch_size * self.steps_per_generation
+        if rows % self.num_generations:
+            raise ValueError(
+                f"context_parallel_size={self.context_parallel_size} needs every rank's generation batch "
+                f"(per_device_train_batch_size x steps_per_generation = {rows} rows) to hold whole groups of "
+                f"num_generations={self.num_generations}: make per_device_train_batch_size x steps_per_generation a "
+                "multiple of num_generations."
+            )
 
     def _adopt_accelerate_context_parallel_size(self) -> None:
         """Take the context-parallel size from Accelerate's `parallelism_config` where the user configured it there,
