@@ -1,14 +1,14 @@
 """Context parallelism: one group's prompt sharded by sequence across the ranks of a CP group.
 
 Every rank of a CP group keeps the durable state of one contiguous shard of the captured prompt tokens (attention K/V
-pages of its shard only; the fixed-size recurrent state is replicated after capture). Nothing of another rank's pages
+pages and MLA latent pages of its shard only; the fixed-size recurrent state is replicated after capture). Nothing of another rank's pages
 is ever copied: a query's attention over a shard is computed where the shard lives, as that shard's partial `(o,
 lse)`, and the partials are merged by log-sum-exp across the group (`merge_across`), which is exact.
 
 Sharding rule: contiguous shards, `shard r = [r N / cp, (r + 1) N / cp)` of the `N` captured tokens (sizes differ by
 at most one). Why contiguous rather than zigzag: after capture, every replayed and scored query sits after the whole
 prompt and reads every shard, so the replay's attention work (the phase repeated G times per capture) is balanced
-whatever the layout, and a contiguous shard keeps the sliding-window and recurrent hand-offs local to neighbours.
+whatever the layout, and contiguous shards hand the recurrent state on between neighbours only.
 The capture is causal, hence imbalanced: rank r's keys are read by the queries of shards r..cp-1, so the capture's
 attention pairs on rank r are proportional to `(cp - r - 1/2) / cp^2` of `N^2` (cp = 2: 3/8 vs 1/8 of `N^2`, a 3:1
 ratio; `capture_attention_pairs` computes it). The capture runs shard by shard in rank order anyway (see below), so
@@ -18,8 +18,9 @@ Capture (`ContextParallelEngine.capture`): shard by shard, in rank order. The ow
 chunks through the model; at each attention layer it broadcasts the chunk's queries (one chunk: `prefill_chunk_size`
 tokens) and every rank computes the partial attention of those queries over its own pages (the owner over its pages
 so far plus the chunk's own keys, causal; a rank whose shard is not captured yet contributes `lse = -inf`); the
-partials are merged on every rank. Meanwhile the other ranks run `_serve`, the matching loop, until the owner
-announces the end of its shard. Recurrent layers (GatedDeltaNet, Mamba2) are sequential: the owner of shard r + 1
+partials are merged on every rank. Meanwhile the other ranks run `ShardedPromptState.serve`, the matching loop, until
+the owner announces the end of its shard (the exact-mode recompute runs the same way, shards in reverse order, the
+owner also announcing each attention backward). Recurrent layers (GatedDeltaNet, Mamba2) are sequential: the owner of shard r + 1
 starts from shard r's final conv/recurrent states, sent point to point; after the last shard its final states are
 broadcast, so that every rank's replay starts from the whole prompt's recurrent state. So no rank ever holds another
 rank's pages, only one chunk of another rank's queries and one chunk-sized partial at a time.
@@ -37,6 +38,9 @@ Communication (elements all-reduced, per replayed token, per attention layer, `h
 backward `heads * d + kv_heads * (d + dv)` (dq and the own keys' and values' gradients), plus `heads` with sinks.
 `COMMUNICATION` counts what actually went through the collectives (benchmarks/context_parallel.py checks one against
 the other).
+
+Collectives run on CPU tensors (gloo), as the tests and benchmarks do; NCCL would need the announcements' receive
+buffers on the device.
 """
 
 from __future__ import annotations
