@@ -1,8 +1,9 @@
 """One LongStraw training step, run alone (`python this.py OUT 1`) or on 2 ranks with context_parallel_size=2
 (`accelerate launch --num_processes 2 this.py OUT 2`), in detach and exact mode; saves what the test compares.
 
-Every row has the same prompt, so rank 0 of the CP run sees the rows the single process sees (both draw from the same
-seed) and the two runs must take the same optimizer step.
+The CP group draws the rows one process draws (`SharedRowsSampler`: a generation batch of one prompt, from the same
+seed), so the two runs must take the same optimizer step; each rank also reports the first rows a fresh dataloader
+hands it, which must be the same on both ranks.
 """
 
 import sys
@@ -15,7 +16,7 @@ from datasets import Dataset
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
 from trl_longstraw.embedded import build_model, build_tokenizer
 
-PROMPT = "the key is 4217. " + "lorem ipsum " * 3 + "what is the key?"
+PROMPTS = [f"the key is {4217 + i}. " + "lorem ipsum " * (i % 3 + 1) + "what is the key?" for i in range(8)]
 
 
 def char_code_reward(completions, **kwargs):
@@ -47,12 +48,14 @@ def step(prompt_gradient: str, context_parallel_size: int, family: str) -> dict:
         model=model,
         reward_funcs=char_code_reward,
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": [PROMPT] * 8}),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
         processing_class=build_tokenizer(),
     )
     trainer.train()
     logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    first_rows = [row["prompt"] for row in next(iter(trainer.get_train_dataloader()))]  # after training: no effect
     return {
+        "first_rows": first_rows,
         "update": {name: (p.detach() - initial[name]).clone() for name, p in trainer.model.named_parameters()},
         "loss": logged["loss"],
         "grad_norm": logged["grad_norm"],

@@ -131,3 +131,27 @@ def test_data_times_context_parallel_ranks_end_with_the_mean_single_process_grad
         worst = max(result["grad_errors"], key=result["grad_errors"].get)
         assert result["grad_errors"][worst] <= 1e-4, worst
         assert result["rank_difference"] == 0.0
+
+
+def test_the_ranks_of_a_context_parallel_group_draw_the_rows_of_one_data_parallel_rank():
+    """world 4 = dp 2 x cp 2, 6 rows per rank per step (groups of 3): ranks 2g and 2g + 1 get what data-parallel rank g
+    of a 2-rank run gets, as a dataloader deals consecutive blocks to consecutive ranks."""
+    from trl.trainer.utils import RepeatSampler
+
+    from trl_longstraw.context_parallel import SharedRowsSampler
+
+    rows, generations = 6, 3
+
+    def dealt(stream, ranks):
+        blocks = [stream[i : i + rows] for i in range(0, len(stream), rows)]
+        return [[index for block in blocks[rank::ranks] for index in block] for rank in range(ranks)]
+
+    def sampler(ranks):
+        return RepeatSampler(range(40), generations, rows * ranks // generations, repeat_count=2, seed=7)
+
+    sharded = list(SharedRowsSampler(sampler(4), rows, 2))  # (each pass reshuffles, as TRL's sampler does)
+    # an epoch is the dataset once per data-parallel group, so twice the rows of 4 data-parallel ranks
+    assert len(SharedRowsSampler(sampler(4), rows, 2)) == len(sharded) == 2 * len(sampler(2))
+    data_parallel = dealt(list(sampler(2)), 2)
+    context_parallel = dealt(sharded, 4)
+    assert context_parallel == [data_parallel[0], data_parallel[0], data_parallel[1], data_parallel[1]]

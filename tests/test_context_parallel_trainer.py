@@ -1,5 +1,6 @@
-"""The trainer with context_parallel_size=2 on 2 CPU ranks (gloo) takes the single-process optimizer step: same loss,
-same grad norm, the same update of every weight, and bitwise the same weights on both ranks, in both modes."""
+"""The trainer with context_parallel_size=2 on 2 CPU ranks (gloo) takes the single-process optimizer step: same rows,
+same loss, same grad norm, the same update of every weight, and bitwise the same weights on both ranks, in both
+modes."""
 
 import os
 import subprocess
@@ -40,3 +41,5 @@ def test_two_context_parallel_ranks_take_the_single_process_step(tmp_path):
                 assert error <= 1e-3, (mode, name, float(error))
             for name, update in got[mode]["update"].items():
                 assert torch.equal(update, ranks[0][mode]["update"][name]), (mode, name)
+            assert got[mode]["first_rows"] == ranks[0][mode]["first_rows"]  # the CP group draws one set of rows
+        assert ranks[0][mode]["first_rows"] == want["first_rows"]

@@ -813,12 +813,43 @@ def build_parallel_groups(context_parallel_size: int) -> ParallelGroups:
 
 def share_leader_inputs(inputs, cp: ContextParallelGroup):
     """Every rank of a CP group generates and trains on its first rank's rows, from its random state: the group then
-    samples the same completions and computes the same loss, so its ranks can replay the same members in lockstep.
-    (The other ranks' own rows of the step are not used: a sampler that hands a CP group one set of rows would spare
-    them; see the README.)"""
+    samples the same completions and computes the same loss, so its ranks replay the same members in lockstep. With
+    `SharedRowsSampler` the rows are already the same (this then only aligns the random state); without it (iterable
+    datasets) the other ranks' own rows of the step are drawn and not used."""
     payload = [inputs, torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
     dist.broadcast_object_list(payload, group=cp.group, group_src=0)
     torch.set_rng_state(payload[1])
     if payload[2] is not None:
         torch.cuda.set_rng_state(payload[2])
     return payload[0]
+
+
+class SharedRowsSampler(torch.utils.data.Sampler):
+    """TRL's `RepeatSampler` for `world / cp` data-parallel ranks, each block of `rows_per_rank` rows repeated `cp`
+    times in a row: the dataloader deals consecutive blocks to consecutive ranks, so the ranks of a CP group (which
+    are consecutive) all draw the same rows, and a step consumes the rows a data-parallel run of `world / cp` ranks
+    would (no rank's rows are drawn and dropped)."""
+
+    def __init__(self, sampler, rows_per_rank: int, copies: int):
+        # The same sampler with `1 / copies` of its prompts per generation batch (its arguments are public fields).
+        self.base = type(sampler)(
+            sampler.data_source,
+            sampler.mini_repeat_count,
+            sampler.batch_size // copies,
+            sampler.repeat_count,
+            sampler.shuffle,
+            sampler.seed,
+        )
+        self.rows_per_rank, self.copies = rows_per_rank, copies
+
+    def __iter__(self):
+        block = []
+        for index in self.base:
+            block.append(index)
+            if len(block) == self.rows_per_rank:
+                for _ in range(self.copies):
+                    yield from block
+                block = []
+
+    def __len__(self) -> int:
+        return len(self.base) // self.rows_per_rank * self.rows_per_rank * self.copies

@@ -25,7 +25,12 @@ from trl.extras.profiling import profiling_context, profiling_decorator
 from .architectures import check_supported
 from .attention import ATTENTION_IMPLEMENTATION, register_attention
 from .config import LongStrawGRPOConfig
-from .context_parallel import ContextParallelEngine, build_parallel_groups, share_leader_inputs
+from .context_parallel import (
+    ContextParallelEngine,
+    SharedRowsSampler,
+    build_parallel_groups,
+    share_leader_inputs,
+)
 from .distributed import average_gradients
 from .engine import ensure_finite, non_finite_error, weights_version
 from .loss import member_backward, replayed_scores
@@ -490,6 +495,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
         self._check_positions(self.model.config, self.args, prompt_width=max(len(ids) for ids in prompt_ids))
         return prompt_ids, images, multimodal_fields
+
+    def _get_train_sampler(self, dataset=None):
+        sampler = super()._get_train_sampler(dataset)
+        if self._parallel is None:
+            return sampler
+        rows_per_rank = self._train_batch_size * self.args.steps_per_generation  # one rank's dataloader batch
+        return SharedRowsSampler(sampler, rows_per_rank, self._parallel.context.size)
 
     def _generate_and_score_completions(self, inputs):
         self._kept = None  # generation needs the memory, and the weights may have moved since
