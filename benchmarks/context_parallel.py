@@ -59,7 +59,7 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
-    from trl_longstraw.context_parallel import COMMUNICATION, ContextParallelEngine, ContextParallelGroup
+    from trl_longstraw.context_parallel import COMMUNICATION, SERVED, ContextParallelEngine, ContextParallelGroup
     from trl_longstraw.engine import prepare_model
 
     cp = None
@@ -83,9 +83,11 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
     )
     baseline = rss_gib()
     times = {}
+    SERVED.clear()
     start = time.perf_counter()
     state = engine.capture(model, prompt, first_position=0)
     times["capture"] = time.perf_counter() - start
+    served = dict(SERVED)
     if args.mode == "exact":
         state.requires_grad_()
     start = time.perf_counter()
@@ -114,6 +116,7 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
         "peak_added_gib": peak_rss_gib() - baseline,
         "times_s": times,
         "step_s": sum(times.values()),
+        "capture_served": served,
         "replay_elements_counted": counted if size > 1 else None,
         "replay_elements_formula": {"merge": forward * replayed_tokens, "backward": backward * replayed_tokens}
         if size > 1
@@ -156,7 +159,13 @@ def table(records: list[dict], args) -> str:
             f"({4 * per['backward']} B). Counted over the replay: {r['replay_elements_counted']}; formula: "
             f"{r['replay_elements_formula']}."
         )
-        lines += ["", communication]
+        served = "; ".join(
+            f"rank {r['rank']}: {r['capture_served'].get('seconds', 0.0):.2f} s, "
+            f"{int(r['capture_served'].get('query_key_pairs', 0)):,} query-key pairs"
+            for r in sharded
+        )
+        imbalance = f"Capture attention computed for other ranks' chunks (the causal imbalance of contiguous shards): {served}."
+        lines += ["", communication, "", imbalance]
     return "\n".join(lines) + "\n"
 
 

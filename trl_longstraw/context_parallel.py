@@ -45,6 +45,7 @@ buffers on the device.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,6 +70,9 @@ from .state.mla import absorbed_weights
 
 # Elements sent through each kind of collective by this process (reset it to measure a phase).
 COMMUNICATION: Counter = Counter()
+# Attention this process computed for other ranks' chunks (capture, recompute): wall seconds of the partials and
+# (query token, key) pairs, the capture's imbalance as measured (benchmarks/context_parallel.py reports it).
+SERVED: Counter = Counter()
 
 # dtypes a tensor header can name (p2p hand-offs, the capture's query broadcast)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -122,6 +126,16 @@ class ContextParallelGroup:
 def shard_bounds(num_tokens: int, size: int) -> list[tuple[int, int]]:
     """Contiguous shards of `num_tokens` captured tokens over `size` ranks, sizes differing by at most one."""
     return [(rank * num_tokens // size, (rank + 1) * num_tokens // size) for rank in range(size)]
+
+
+def check_prompt_length(prompt_tokens: int, size: int) -> None:
+    """Every rank of a CP group needs at least one captured token (all but the last prompt token are captured)."""
+    if prompt_tokens - 1 < size:
+        raise ContextParallelError(
+            f"A prompt of {prompt_tokens} tokens captures {prompt_tokens - 1} (all but the last), fewer than the "
+            f"{size} ranks of context_parallel_size={size}: every rank needs at least one token of the prompt. "
+            "Lower context_parallel_size or filter out shorter prompts."
+        )
 
 
 def capture_attention_pairs(num_tokens: int, size: int) -> list[int]:
@@ -366,6 +380,7 @@ class ShardedView:
     def serve_forward(self, served: _Served, owner: int, chunk_size: int) -> None:
         """Another rank's chunk: this rank's partial of its queries over this rank's pages, merged on every rank."""
         blocks, tensors = self._served_blocks(served, owner)
+        start = time.perf_counter()
         out, lse = partial_attention(
             served.query,
             served.positions,
@@ -378,6 +393,8 @@ class ShardedView:
             served.value_dim,
             None,
         )
+        SERVED["seconds"] += time.perf_counter() - start
+        SERVED["query_key_pairs"] += served.query.shape[2] * (tensors[0].shape[1] if tensors else 0)
         served.out, served.lse = merge_across(out, lse, self.state.cp)
 
     @torch.no_grad()
@@ -678,13 +695,8 @@ class ContextParallelEngine(LongStrawEngine):
             return super().capture(model, prompt_ids, first_position)
         cp = self.context_parallel
         check_prepared(model)
+        check_prompt_length(prompt_ids.numel(), cp.size)
         num_tokens = prompt_ids.numel() - 1
-        if num_tokens < cp.size:
-            raise ContextParallelError(
-                f"A prompt of {prompt_ids.numel()} tokens captures {num_tokens} (all but the last), fewer than the "
-                f"{cp.size} ranks of context_parallel_size={cp.size}: every rank needs at least one token of the "
-                "prompt. Lower context_parallel_size or filter out shorter prompts."
-            )
         state = ShardedPromptState(
             plan_layers(model),
             num_tokens,

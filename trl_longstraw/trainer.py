@@ -29,6 +29,7 @@ from .context_parallel import (
     ContextParallelEngine,
     SharedRowsSampler,
     build_parallel_groups,
+    check_prompt_length,
     share_leader_inputs,
 )
 from .distributed import average_gradients
@@ -491,9 +492,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     # Cheap checks before generation, telemetry per mode
     # ---------------------------------------------------------------------------------------------------------------
     def _tokenize_prompts(self, prompts: list):
-        """GRPOTrainer's tokenization, then the position check, before any completion is generated."""
+        """GRPOTrainer's tokenization, then the position (and context-parallel length) checks, before any completion
+        is generated."""
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
         self._check_positions(self.model.config, self.args, prompt_width=max(len(ids) for ids in prompt_ids))
+        if self._parallel is not None:  # a prompt shorter than the CP group cannot be sharded
+            check_prompt_length(min(len(ids) for ids in prompt_ids), self._parallel.context.size)
         return prompt_ids, images, multimodal_fields
 
     def _get_train_sampler(self, dataset=None):
