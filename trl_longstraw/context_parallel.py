@@ -342,6 +342,11 @@ class ShardedView:
         state = self.state
         positions = access.query_positions
         limit, on_backward = None, None
+        if access.mode not in ("read", "capture", "recompute"):
+            raise ContextParallelError(
+                f"A {access.mode!r} forward over a sharded prompt state is not implemented: under context parallelism "
+                "generate with TRL's generation (e.g. rollout_from_prompt_state=False), not from the prompt state."
+            )
         if access.mode == "read":  # every rank runs the member: rank 0 counts its own keys
             owns_suffix, reduce_suffix = state.cp.rank == 0, True
         else:  # this rank owns the chunk being captured or recomputed
