@@ -163,9 +163,10 @@ class LongStrawGRPOConfig(GRPOConfig):
         self._validate_context_parallel_batches()
 
     def _validate_context_parallel_batches(self) -> None:
-        """A CP group trains on the rows of its first rank (`context_parallel.share_leader_inputs`), so each rank's
-        share of a generation batch must hold whole groups: a group spread over the ranks of a CP group would be
-        replaced by copies of its first rank's part."""
+        """The ranks of a CP group draw one rank's block of a generation batch (`context_parallel.SharedRowsSampler`)
+        and train on their first rank's rows (`share_leader_inputs`), so a block must hold whole groups: a group
+        spread over two blocks would be split between two CP groups (or, without the sampler, replaced by copies of
+        its first part)."""
         if self.context_parallel_size == 1:
             return
         rows = self.per_device_train_batch_size * self.steps_per_generation

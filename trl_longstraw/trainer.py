@@ -501,6 +501,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         return prompt_ids, images, multimodal_fields
 
     def _get_train_sampler(self, dataset=None):
+        """TRL's sampler; under context parallelism one set of rows per CP group (`SharedRowsSampler`)."""
         sampler = super()._get_train_sampler(dataset)
         if self._parallel is None:
             return sampler
