@@ -307,6 +307,80 @@ def _chunks(q, keys, values, block: KeyBlock, fold: _Fold, q_positions, visibili
         )
 
 
+def blocks_forward(q, q_positions, scaling, visibility, chunk_size, softcap, blocks, tensors):
+    """`(o, lse)` of `q [batch, heads, tokens, d]` over the key blocks, in the accumulation dtype; `(None, None)` when
+    every block is empty. One softmax's partial over some of its keys: merge partials with `merge_by_lse` (context
+    parallelism merges each rank's partial over its shard this way)."""
+    batch, heads, tokens, _ = q.shape
+    out = lse = None
+    for index, block in enumerate(blocks):
+        keys, values = tensors[2 * index], tensors[2 * index + 1]
+        if keys.shape[1] == 0:
+            continue
+        fold = _Fold(batch, heads, tokens, keys.shape[0], block.shared)
+        q_folded = fold.fold(q)
+        for _, chunk in _chunks(q, keys, values, block, fold, q_positions, visibility, chunk_size):
+            part_out, part_lse = _chunk_forward(q_folded, chunk, scaling, softcap)
+            part = fold.unfold(part_out), fold.unfold(part_lse[..., None])[..., 0]
+            out, lse = part if out is None else merge_by_lse(out, lse, *part)
+    return out, lse
+
+
+def blocks_backward(d_out, q, q_positions, out, lse, scaling, visibility, chunk_size, softcap, blocks, tensors, need):
+    """`(d_q, [d_keys, d_values per block])` of the blocks' share of one softmax, from its *global* output `out` and
+    log-sum-exp `lse` (the ring-attention identity): a partial over some of the keys gets exactly its keys' gradients
+    and its share of `d_q`. `need = (q, *each tensor)` flags; entries not needed are None."""
+    need_q, need_tensors = need[0], need[1:]
+    batch, heads, tokens, _ = q.shape
+    d_row = (d_out * out).sum(-1)  # rowsum(dO * O): the same for every block
+    d_q = torch.zeros(q.shape, dtype=out.dtype, device=q.device) if need_q else None
+    grads = [None] * len(tensors)
+    for index, block in enumerate(blocks):
+        keys, values = tensors[2 * index], tensors[2 * index + 1]
+        need_k, need_v = need_tensors[2 * index], need_tensors[2 * index + 1]
+        if keys.shape[1] == 0 or not (need_q or need_k or need_v):
+            continue
+        fold = _Fold(batch, heads, tokens, keys.shape[0], block.shared)
+        folded = [fold.fold(x) for x in (q, d_out, out)]
+        folded_lse, folded_d_row = (fold.fold(x[..., None])[..., 0] for x in (lse, d_row))
+        d_keys = torch.zeros(keys.shape, dtype=keys.dtype, device=keys.device) if need_k else None
+        d_values = torch.zeros(values.shape, dtype=values.dtype, device=values.device) if need_v else None
+        d_q_folded = torch.zeros_like(folded[0], dtype=out.dtype) if need_q else None
+        for span, chunk in _chunks(q, keys, values, block, fold, q_positions, visibility, chunk_size):
+            dq, dk, dv = _chunk_backward(
+                folded[1],
+                folded[0],
+                folded[2],
+                folded_lse,
+                folded_d_row,
+                chunk,
+                scaling,
+                softcap,
+                (need_q, need_k, need_v),
+            )
+            if need_q:
+                d_q_folded += dq
+            if need_k:
+                d_keys[:, span] = dk.to(keys.device, keys.dtype)
+            if need_v:
+                d_values[:, span] = dv.to(values.device, values.dtype)
+        if need_q:
+            d_q += fold.unfold(d_q_folded)
+        grads[2 * index], grads[2 * index + 1] = d_keys, d_values
+    return d_q, grads
+
+
+def sinks_partial(sinks: torch.Tensor, like_lse: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp of attention sinks `[heads]` (one logit per head, value 0) for every row of `like_lse`."""
+    return sinks.to(like_lse.dtype)[None, :, None].expand_as(like_lse)
+
+
+def sinks_gradient(sinks: torch.Tensor, lse: torch.Tensor, d_row: torch.Tensor) -> torch.Tensor:
+    """d lse / d sink = p_sink, and the sink's value is 0: d sink = -sum(p_sink * rowsum(dO * O))."""
+    p_sink = torch.exp(sinks.to(lse.dtype)[None, :, None] - _finite(lse))
+    return -(p_sink * d_row).sum(dim=(0, 2)).to(sinks.dtype)
+
+
 class BlockAttention(torch.autograd.Function):
     """Softmax attention of `q [batch, heads, tokens, d]` over key blocks as one softmax (see the module docstring).
 
@@ -318,21 +392,9 @@ class BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, sinks, q_positions, scaling, visibility, chunk_size, softcap, blocks, *tensors):
         with torch.autocast(q.device.type, enabled=False):
-            batch, heads, tokens, _ = q.shape
-            out = lse = None
-            for index, block in enumerate(blocks):
-                keys, values = tensors[2 * index], tensors[2 * index + 1]
-                if keys.shape[1] == 0:
-                    continue
-                fold = _Fold(batch, heads, tokens, keys.shape[0], block.shared)
-                q_folded = fold.fold(q)
-                for _, chunk in _chunks(q, keys, values, block, fold, q_positions, visibility, chunk_size):
-                    part_out, part_lse = _chunk_forward(q_folded, chunk, scaling, softcap)
-                    part = fold.unfold(part_out), fold.unfold(part_lse[..., None])[..., 0]
-                    out, lse = part if out is None else merge_by_lse(out, lse, *part)
+            out, lse = blocks_forward(q, q_positions, scaling, visibility, chunk_size, softcap, blocks, tensors)
             if sinks is not None:
-                sink_lse = sinks.to(lse.dtype)[None, :, None].expand_as(lse)
-                out, lse = merge_by_lse(out, lse, torch.zeros_like(out), sink_lse)
+                out, lse = merge_by_lse(out, lse, torch.zeros_like(out), sinks_partial(sinks, lse))
         ctx.save_for_backward(q, sinks, q_positions, out, lse, *tensors)
         ctx.scaling, ctx.visibility, ctx.chunk_size, ctx.softcap, ctx.blocks = (
             scaling,
@@ -347,51 +409,24 @@ class BlockAttention(torch.autograd.Function):
     def backward(ctx, d_out):
         q, sinks, q_positions, out, lse, *tensors = ctx.saved_tensors
         need_q, need_sinks = ctx.needs_input_grad[:2]
-        need_tensors = ctx.needs_input_grad[8:]
+        need = (need_q, *ctx.needs_input_grad[8:])
         with torch.autocast(q.device.type, enabled=False):
-            batch, heads, tokens, _ = q.shape
             d_out = d_out.to(out.dtype)
-            d_row = (d_out * out).sum(-1)  # rowsum(dO * O): the same for every block
-            d_q = torch.zeros(q.shape, dtype=out.dtype, device=q.device) if need_q else None
-            grads = [None] * len(tensors)
-            for index, block in enumerate(ctx.blocks):
-                keys, values = tensors[2 * index], tensors[2 * index + 1]
-                need_k, need_v = need_tensors[2 * index], need_tensors[2 * index + 1]
-                if keys.shape[1] == 0 or not (need_q or need_k or need_v):
-                    continue
-                fold = _Fold(batch, heads, tokens, keys.shape[0], block.shared)
-                folded = [fold.fold(x) for x in (q, d_out, out)]
-                folded_lse, folded_d_row = (fold.fold(x[..., None])[..., 0] for x in (lse, d_row))
-                d_keys = torch.zeros(keys.shape, dtype=keys.dtype, device=keys.device) if need_k else None
-                d_values = torch.zeros(values.shape, dtype=values.dtype, device=values.device) if need_v else None
-                d_q_folded = torch.zeros_like(folded[0], dtype=out.dtype) if need_q else None
-                for span, chunk in _chunks(q, keys, values, block, fold, q_positions, ctx.visibility, ctx.chunk_size):
-                    dq, dk, dv = _chunk_backward(
-                        folded[1],
-                        folded[0],
-                        folded[2],
-                        folded_lse,
-                        folded_d_row,
-                        chunk,
-                        ctx.scaling,
-                        ctx.softcap,
-                        (need_q, need_k, need_v),
-                    )
-                    if need_q:
-                        d_q_folded += dq
-                    if need_k:
-                        d_keys[:, span] = dk.to(keys.device, keys.dtype)
-                    if need_v:
-                        d_values[:, span] = dv.to(values.device, values.dtype)
-                if need_q:
-                    d_q += fold.unfold(d_q_folded)
-                grads[2 * index], grads[2 * index + 1] = d_keys, d_values
-            d_sinks = None
-            if (
-                need_sinks
-            ):  # d lse / d sink = p_sink, and the sink's value is 0: d sink = -sum(p_sink * rowsum(dO * O))
-                p_sink = torch.exp(sinks.to(lse.dtype)[None, :, None] - _finite(lse))
-                d_sinks = -(p_sink * d_row).sum(dim=(0, 2)).to(sinks.dtype)
+            d_q, grads = blocks_backward(
+                d_out,
+                q,
+                q_positions,
+                out,
+                lse,
+                ctx.scaling,
+                ctx.visibility,
+                ctx.chunk_size,
+                ctx.softcap,
+                ctx.blocks,
+                tensors,
+                need,
+            )
+            d_sinks = sinks_gradient(sinks, lse, (d_out * out).sum(-1)) if need_sinks else None
         d_q = d_q.to(q.dtype) if need_q else None
         return (d_q, d_sinks, None, None, None, None, None, None, *grads)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -9,6 +10,17 @@ from trl import GRPOConfig
 
 PROMPT_GRADIENT_MODES = ("detach", "exact")
 PROMPT_STATE_DTYPES = ("auto", "float8_e4m3fn")
+
+
+def accelerate_context_parallel_size(parallelism_config) -> int | None:
+    """The cp size a user gave Accelerate (`parallelism_config`, or `accelerate launch
+    --parallelism_config_cp_size`, which reaches the process as environment variables), or None if none was given."""
+    if parallelism_config is not None:
+        return parallelism_config.cp_size if parallelism_config.cp_size and parallelism_config.cp_size > 1 else None
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+        size = int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1"))
+        return size if size > 1 else None
+    return None
 
 
 @dataclass
@@ -34,6 +46,11 @@ class LongStrawGRPOConfig(GRPOConfig):
             `"auto"` keeps the prompt state in the model's dtype; `"float8_e4m3fn"` keeps attention K/V pages in fp8
             with one scale per (64-token page, kv head), half the bytes of bf16, dequantised chunk by chunk as read.
             Detach mode only. Its cost in log-prob error is measured in the README.
+        context_parallel_size (`int`, *optional*):
+            Ranks that share one prompt, each keeping a contiguous shard of its state (see the README's "Context
+            parallelism"). The world must be a multiple of it: `world = data parallel x context parallel`. Unset: the
+            `cp_size` of Accelerate's `parallelism_config` (or `accelerate launch --parallelism_config_cp_size`), else
+            1. Set both and they must agree.
 
         > Parameters that control the LongStraw metrics
 
@@ -104,6 +121,16 @@ class LongStrawGRPOConfig(GRPOConfig):
             "are an error. False: TRL's generation."
         },
     )
+    context_parallel_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Ranks that share one prompt (context parallelism): each keeps a contiguous sequence shard of the "
+            "prompt state, attention over the shards is merged by log-sum-exp, and every rank ends the step with the "
+            "single-process gradient. The world size must be a multiple of it (world = data parallel x context "
+            "parallel; consecutive ranks form a context-parallel group). Unset: the cp_size of Accelerate's "
+            "parallelism_config if one is configured, else 1."
+        },
+    )
     log_phase_metrics: bool = field(
         default=True,
         metadata={
@@ -144,10 +171,56 @@ class LongStrawGRPOConfig(GRPOConfig):
     def __post_init__(self):
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = False
+        self._adopt_accelerate_context_parallel_size()
         self._validate_longstraw_fields()
         super().__post_init__()
+        self._validate_context_parallel_batches()
+
+    def _validate_context_parallel_batches(self) -> None:
+        """The ranks of a CP group draw one rank's block of a generation batch (`context_parallel.SharedRowsSampler`)
+        and train on their first rank's rows (`share_leader_inputs`), so a block must hold whole groups: a group
+        spread over two blocks would be split between two CP groups (or, without the sampler, replaced by copies of
+        its first part)."""
+        if self.context_parallel_size == 1:
+            return
+        rows = self.per_device_train_batch_size * self.steps_per_generation
+        if rows % self.num_generations:
+            raise ValueError(
+                f"context_parallel_size={self.context_parallel_size} needs every rank's generation batch "
+                f"(per_device_train_batch_size x steps_per_generation = {rows} rows) to hold whole groups of "
+                f"num_generations={self.num_generations}: make per_device_train_batch_size x steps_per_generation a "
+                "multiple of num_generations."
+            )
+
+    def _adopt_accelerate_context_parallel_size(self) -> None:
+        """Take the context-parallel size from Accelerate's `parallelism_config` where the user configured it there,
+        and leave Accelerate's own CP off: its CP shards model inputs itself (FSDP2 + ring attention), which TRL's
+        GRPO refuses and LongStraw's captured prompt replaces. A disagreement between the two sizes is refused."""
+        accelerate_size = accelerate_context_parallel_size(self.parallelism_config)
+        if accelerate_size is None:
+            return
+        if self.context_parallel_size is not None and self.context_parallel_size != accelerate_size:
+            raise ValueError(
+                f"context_parallel_size={self.context_parallel_size} but Accelerate's parallelism_config has "
+                f"cp_size={accelerate_size}: set one of them, or the same value in both."
+            )
+        self.context_parallel_size = accelerate_size
+        if self.parallelism_config is not None:
+            self.parallelism_config.cp_size = 1
+            self.parallelism_config.cp_handler = None
+            if self.parallelism_config.total_size == 1:  # nothing else configured (and Accelerate refuses it on CPU)
+                self.parallelism_config = None
+        else:  # `accelerate launch --parallelism_config_cp_size`: the Accelerator would build its CP from these
+            os.environ["PARALLELISM_CONFIG_CP_SIZE"] = "1"
 
     def _validate_longstraw_fields(self) -> None:
+        if self.context_parallel_size is None:
+            self.context_parallel_size = 1
+        if not isinstance(self.context_parallel_size, int) or self.context_parallel_size < 1:
+            raise ValueError(
+                f"context_parallel_size={self.context_parallel_size!r} must be a positive integer (1: no context "
+                "parallelism)."
+            )
         if self.prompt_gradient not in PROMPT_GRADIENT_MODES:
             raise ValueError(
                 f"prompt_gradient={self.prompt_gradient!r} is not supported: use one of {PROMPT_GRADIENT_MODES}."

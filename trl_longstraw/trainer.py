@@ -28,8 +28,15 @@ from trl.trainer.utils import pad
 from .architectures import check_supported
 from .attention import ATTENTION_IMPLEMENTATION, register_attention
 from .config import LongStrawGRPOConfig
+from .context_parallel import (
+    ContextParallelEngine,
+    SharedRowsSampler,
+    build_parallel_groups,
+    check_prompt_length,
+    share_leader_inputs,
+)
 from .distributed import average_gradients
-from .engine import LongStrawEngine, ensure_finite, non_finite_error, weights_version
+from .engine import ensure_finite, non_finite_error, weights_version
 from .loss import member_backward, replayed_scores
 from .rollout import PromptRows, UnsupportedRolloutError, check_generation_config, decode, prepare_sampling
 from .telemetry import PhaseTelemetry
@@ -195,12 +202,15 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             if policy_or_ref is not None:
                 self.accelerator.unwrap_model(policy_or_ref).set_attn_implementation(ATTENTION_IMPLEMENTATION)
         state_device = None if args.prompt_state_device == "auto" else torch.device(args.prompt_state_device)
-        self.engine = LongStrawEngine(
+        # Context parallelism (context_parallel.py): None, or this rank's CP and DP groups.
+        self._parallel = build_parallel_groups(args.context_parallel_size) if args.context_parallel_size > 1 else None
+        self.engine = ContextParallelEngine(
             prefill_chunk_size=args.prefill_chunk_size,
             attention_chunk_size=args.attention_chunk_size,
             state_device=state_device,
             prompt_gradient=args.prompt_gradient,
             prompt_state_dtype=args.prompt_state_dtype,
+            context_parallel=None if self._parallel is None else self._parallel.context,
         )
         self._telemetry = PhaseTelemetry(
             self.accelerator.device, enabled=args.log_phase_metrics, synchronize=args.sync_phase_metrics
@@ -213,6 +223,15 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _resolve_rollout(self, args: LongStrawGRPOConfig) -> bool:
         """Whether completions are decoded from the captured prompt state (`rollout_from_prompt_state`)."""
         if args.rollout_from_prompt_state is False or self.use_vllm or self.use_transformers_continuous_batching:
+            return False
+        if self._parallel is not None:
+            if args.rollout_from_prompt_state:
+                raise ValueError(
+                    f"rollout_from_prompt_state=True with context_parallel_size={args.context_parallel_size}: decoding "
+                    "from a prompt state sharded across ranks is not implemented. Unset rollout_from_prompt_state "
+                    "(under context parallelism each rank generates with transformers' generate, and the sharded "
+                    "capture serves scoring and the update)."
+                )
             return False
         try:
             check_generation_config(self._causal_lm(self.model), self.generation_config)
@@ -452,8 +471,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     self._kept = _KeptState(group, state)
                 del state
             self._give_every_reached_parameter_a_gradient(causal_lm, groups, completion_ids, replayed)
-            if self.accelerator.sync_gradients:
-                average_gradients(self._reached)
+            if self.accelerator.sync_gradients:  # across DP only: a CP group's ranks already agree
+                average_gradients(self._reached, None if self._parallel is None else self._parallel.data)
 
     def _give_every_reached_parameter_a_gradient(self, causal_lm, groups, completion_ids, replayed: bool) -> None:
         """Zero `.grad` for every parameter a backward reaches and that none reached this time, as stock's would be.
@@ -502,9 +521,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     # Cheap checks before generation, telemetry per mode
     # ---------------------------------------------------------------------------------------------------------------
     def _tokenize_prompts(self, prompts: list):
-        """GRPOTrainer's tokenization, then the position check, before any completion is generated."""
+        """GRPOTrainer's tokenization, then the position (and context-parallel length) checks, before any completion
+        is generated."""
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
         self._check_positions(self.model.config, self.args, prompt_width=max(len(ids) for ids in prompt_ids))
+        if self._parallel is not None:  # a prompt shorter than the CP group cannot be sharded
+            check_prompt_length(min(len(ids) for ids in prompt_ids), self._parallel.context.size)
         return prompt_ids, images, multimodal_fields
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -558,8 +580,18 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         completion_ids = [c[m].tolist() for c, m in zip(completion_ids.cpu(), keep.cpu(), strict=True)]
         return completion_ids, None
 
+    def _get_train_sampler(self, dataset=None):
+        """TRL's sampler; under context parallelism one set of rows per CP group (`SharedRowsSampler`)."""
+        sampler = super()._get_train_sampler(dataset)
+        if self._parallel is None:
+            return sampler
+        rows_per_rank = self._train_batch_size * self.args.steps_per_generation  # one rank's dataloader batch
+        return SharedRowsSampler(sampler, rows_per_rank, self._parallel.context.size)
+
     def _generate_and_score_completions(self, inputs):
         self._kept = None  # generation needs the memory, and the weights may have moved since
+        if self._parallel is not None:  # a CP group shares its prompts, so it must share its rows
+            inputs = share_leader_inputs(inputs, self._parallel.context)
         return super()._generate_and_score_completions(inputs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

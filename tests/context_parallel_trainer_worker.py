@@ -1,0 +1,72 @@
+"""One LongStraw training step, run alone (`python this.py OUT 1`) or on 2 ranks with context_parallel_size=2
+(`accelerate launch --num_processes 2 this.py OUT 2`), in detach and exact mode; saves what the test compares.
+
+The CP group draws the rows one process draws (`SharedRowsSampler`: a generation batch of one prompt, from the same
+seed), so the two runs must take the same optimizer step; each rank also reports the first rows a fresh dataloader
+hands it, which must be the same on both ranks.
+"""
+
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from datasets import Dataset
+
+from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
+from trl_longstraw.embedded import build_model, build_tokenizer
+
+PROMPTS = [f"the key is {4217 + i}. " + "lorem ipsum " * (i % 3 + 1) + "what is the key?" for i in range(8)]
+
+
+def char_code_reward(completions, **kwargs):
+    return [float(sum(map(ord, completion)) % 7) for completion in completions]
+
+
+def step(prompt_gradient: str, context_parallel_size: int, family: str) -> dict:
+    args = LongStrawGRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=3,
+        num_generations=3,
+        max_completion_length=5,
+        max_steps=1,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        use_cpu=True,
+        seed=0,
+        prompt_gradient=prompt_gradient,
+        prefill_chunk_size=8,
+        attention_chunk_size=8,
+        context_parallel_size=context_parallel_size,
+    )
+    model = build_model(family, seed=0)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer = LongStrawGRPOTrainer(
+        model=model,
+        reward_funcs=char_code_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=build_tokenizer(),
+    )
+    trainer.train()
+    logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    first_rows = [row["prompt"] for row in next(iter(trainer.get_train_dataloader()))]  # after training: no effect
+    return {
+        "first_rows": first_rows,
+        "update": {name: (p.detach() - initial[name]).clone() for name, p in trainer.model.named_parameters()},
+        "loss": logged["loss"],
+        "grad_norm": logged["grad_norm"],
+    }
+
+
+def main(out: str, context_parallel_size: int, family: str) -> None:
+    results = {mode: step(mode, context_parallel_size, family) for mode in ("detach", "exact")}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.save(results, f"{out}/cp{context_parallel_size}-rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])

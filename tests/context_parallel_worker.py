@@ -1,0 +1,160 @@
+"""Ranks of the context-parallel tests (spawned by `tests/test_context_parallel.py`, gloo on CPU).
+
+Each rank computes the single-process reference itself (the plain engine, no collectives), then the same capture,
+scoring and replay with the prompt sharded over the group, and saves what the test compares.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+from trl.trainer.utils import add_fused_lm_head
+
+from trl_longstraw.context_parallel import (
+    COMMUNICATION,
+    ContextParallelEngine,
+    ContextParallelError,
+    ContextParallelGroup,
+)
+from trl_longstraw.embedded import build_model
+from trl_longstraw.engine import LongStrawEngine, prepare_model
+from trl_longstraw.state import AttentionPages, LatentPages
+
+PROMPT_LENGTH, COMPLETION_WIDTH = 37, 7
+
+
+def case(seed=0, vocab=100):
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(2, vocab, (PROMPT_LENGTH,), generator=generator)
+    completions = torch.randint(2, vocab, (3, COMPLETION_WIDTH), generator=generator)
+    weights = torch.randn(3, COMPLETION_WIDTH, generator=generator)
+    return prompt, completions, torch.tensor([COMPLETION_WIDTH, 3, 5]), weights
+
+
+def update(engine, model, prompt, completions, lengths, weights, first_position=2):
+    """Capture, score every member, replay each under autograd with a per-token upstream gradient."""
+    model.zero_grad(set_to_none=True)
+    state = engine.capture(model, prompt, first_position=first_position)
+    if engine.prompt_gradient == "exact":
+        state.requires_grad_()
+    with torch.no_grad():
+        scored, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
+    replayed = []
+    for member in range(len(completions)):
+        length = int(lengths[member])
+        logps, _ = engine.replay(model, state, prompt[-1:], completions[member], length)
+        logps.backward(weights[member, :length])
+        replayed.append(logps.detach())
+    if engine.prompt_gradient == "exact":
+        engine.backward_prompt(model, state, prompt)
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return state, scored, replayed, grads
+
+
+def relative_errors(got, want, floor_fraction):
+    floor = floor_fraction * torch.sqrt(sum(w.norm() ** 2 for w in want.values()))
+    return {
+        k: ((got[k] - want[k]).norm() / torch.maximum(want[k].norm(), floor).clamp(min=1e-30)).item() for k in want
+    }
+
+
+def attention_bytes(state):
+    """Bytes of the per-token pages (K/V, MLA latents): what sharding divides."""
+    return sum(
+        t.numel() * t.element_size()
+        for layer in state.layers
+        if isinstance(layer, AttentionPages | LatentPages)
+        for t in layer.tensors()
+    )
+
+
+def check_family(family, mode, cp):
+    model = build_model(family, seed=0)
+    prepare_model(model)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    prompt, completions, lengths, weights = case()
+    reference = LongStrawEngine(8, 4, prompt_gradient=mode)
+    sharded = ContextParallelEngine(8, 4, prompt_gradient=mode, context_parallel=cp)
+    whole, want_scores, want_logps, want_grads = update(reference, model, prompt, completions, lengths, weights)
+    COMMUNICATION.clear()
+    state, scores, logps, grads = update(sharded, model, prompt, completions, lengths, weights)
+    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    gathered = [torch.empty_like(flat) for _ in range(cp.size)]
+    dist.all_gather(gathered, flat)
+    return {
+        "score_error": (scores - want_scores).abs().max().item(),
+        "replay_error": max((a - b).abs().max().item() for a, b in zip(logps, want_logps, strict=True)),
+        "same_parameters": sorted(grads) == sorted(want_grads),
+        "grad_errors": relative_errors(
+            grads, want_grads, 1e-3 if family in ("qwen3_5", "qwen3_next", "nemotron_h") else 0.0
+        ),
+        "rank_difference": max((g - gathered[0]).abs().max().item() for g in gathered),
+        "state_bytes": state.nbytes(),
+        "whole_state_bytes": whole.nbytes(),
+        "attention_bytes": attention_bytes(state),
+        "whole_attention_bytes": attention_bytes(whole),
+        "shard": state.shard,
+        "communication": dict(COMMUNICATION),
+    }
+
+
+def refusal(cp, family="qwen3", prompt_length=2):
+    """The error a capture raises (before any collective, on every rank), or None."""
+    model = build_model(family, seed=0)
+    prepare_model(model)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    try:
+        ContextParallelEngine(8, 4, context_parallel=cp).capture(model, torch.arange(5, 5 + prompt_length), 0)
+    except ContextParallelError as error:
+        return str(error)
+    return None
+
+
+def run(rank, world_size, init_file, cases, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        cp = ContextParallelGroup.of()
+        results = {(family, mode): check_family(family, mode, cp) for family, mode in cases}
+        results["short_prompt"] = refusal(cp)
+        results["windowed"] = refusal(cp, "mistral", PROMPT_LENGTH)
+        results["dsa"] = refusal(cp, "glm_moe_dsa", PROMPT_LENGTH)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_data_and_context_parallel(rank, world_size, init_file, mode, out_dir):
+    """dp = 2 x cp = 2: each CP group updates on its own prompt, then gradients are averaged across the DP group;
+    every rank must end with the mean of the two prompts' single-process gradients."""
+    from trl_longstraw.context_parallel import build_parallel_groups
+    from trl_longstraw.distributed import average_gradients
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        groups = build_parallel_groups(2)
+        model = build_model("qwen3", seed=0)
+        prepare_model(model)
+        add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+        cases = [case(seed) for seed in (0, 1)]
+        reference = LongStrawEngine(8, 4, prompt_gradient=mode)
+        wanted = [update(reference, model, *c)[3] for c in cases]
+        want = {name: (wanted[0][name] + wanted[1][name]) / 2 for name in wanted[0]}
+        sharded = ContextParallelEngine(8, 4, prompt_gradient=mode, context_parallel=groups.context)
+        update(sharded, model, *cases[rank // 2])  # CP group k = ranks 2k, 2k + 1 takes prompt k
+        params = [p for p in model.parameters() if p.grad is not None]
+        average_gradients(params, groups.data)
+        grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+        flat = torch.cat([g.reshape(-1) for g in grads.values()])
+        gathered = [torch.empty_like(flat) for _ in range(world_size)]
+        dist.all_gather(gathered, flat)
+        result = {
+            "context_ranks": dist.get_process_group_ranks(groups.context.group),
+            "data_ranks": dist.get_process_group_ranks(groups.data),
+            "grad_errors": relative_errors(grads, want, 0.0),
+            "rank_difference": max((g - gathered[0]).abs().max().item() for g in gathered),
+        }
+        torch.save(result, os.path.join(out_dir, f"dpcp-{mode}-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()

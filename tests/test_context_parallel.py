@@ -1,0 +1,157 @@
+"""Context parallelism on 2 CPU ranks (gloo): one prompt sharded across the ranks gives every rank the single-process
+log-probs and gradients, and each rank keeps about half of the prompt's pages."""
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from trl_longstraw.context_parallel import capture_attention_pairs, shard_bounds
+
+from .context_parallel_worker import run, run_data_and_context_parallel
+
+# Dense attention, the GatedDeltaNet hybrid (qwen3_5: its one attention layer is the last, so the exact recompute's
+# cross-shard page gradients need qwen3_next, whose attention layers feed GatedDeltaNet layers), MLA latent pages.
+CASES = [
+    ("qwen3", "detach"),
+    ("qwen3", "exact"),
+    ("qwen3_5", "detach"),
+    ("qwen3_next", "exact"),
+    ("deepseek_v3", "detach"),
+    ("deepseek_v3", "exact"),
+    ("nemotron_h", "exact"),  # Mamba2 + attention + MoE blocks
+]
+WORLD_SIZE = 2
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Both ranks' results, from one spawn for every family and mode (the spawn's imports dominate the time)."""
+    out = tmp_path_factory.mktemp("cp")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    # fork: the ranks inherit this process's imports (transformers, TRL), which a spawn would redo in each (~15 s)
+    args = (WORLD_SIZE, str(out / "init"), CASES, str(out))
+    mp.start_processes(run, args=args, nprocs=WORLD_SIZE, join=True, start_method="fork")
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+
+
+def test_contiguous_shards_cover_the_prompt_once():
+    assert shard_bounds(36, 2) == [(0, 18), (18, 36)]
+    assert shard_bounds(7, 3) == [(0, 2), (2, 4), (4, 7)]
+    assert capture_attention_pairs(4, 2) == [3 + 4, 3]  # rank 0's keys serve both shards' queries
+
+
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_every_rank_scores_and_replays_the_single_process_log_probs(ranks, case):
+    for rank in ranks:
+        assert rank[case]["score_error"] <= 1e-5
+        assert rank[case]["replay_error"] <= 1e-5
+
+
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_every_parameter_gradient_equals_the_single_process_one_on_every_rank(ranks, case):
+    for rank in ranks:
+        result = rank[case]
+        assert result["same_parameters"]
+        worst = max(result["grad_errors"], key=result["grad_errors"].get)
+        assert result["grad_errors"][worst] <= 1e-4, worst
+        assert result["rank_difference"] == 0.0  # the ranks agree bitwise
+
+
+@pytest.mark.parametrize("case", CASES, ids="-".join)
+def test_each_rank_keeps_only_its_shard(ranks, case):
+    results = [rank[case] for rank in ranks]
+    assert [r["shard"] for r in results] == shard_bounds(36, WORLD_SIZE)
+    whole = results[0]["whole_attention_bytes"]
+    assert sum(r["attention_bytes"] for r in results) == whole
+    recurrent = results[0]["whole_state_bytes"] - whole  # fixed-size recurrent state: replicated on every rank
+    for r in results:
+        assert r["attention_bytes"] == whole / WORLD_SIZE
+        if case[1] == "detach":  # (exact mode keeps a recurrent state per capture chunk, as in one process)
+            assert r["state_bytes"] == whole / WORLD_SIZE + recurrent
+
+
+def test_a_prompt_shorter_than_the_group_is_refused_naming_the_fix(ranks):
+    for rank in ranks:
+        assert "Lower context_parallel_size" in rank["short_prompt"]
+
+
+def test_layers_not_sharded_yet_are_refused_naming_the_fix(ranks):
+    for rank in ranks:
+        assert "with a window" in rank["windowed"] and "context_parallel_size=1" in rank["windowed"]
+        assert "'dsa_indexer'" in rank["dsa"] and "context_parallel_size=1" in rank["dsa"]
+
+
+def test_context_parallel_size_is_taken_from_accelerate_and_a_disagreement_is_refused(tmp_path):
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from trl_longstraw import LongStrawGRPOConfig
+
+    common = {"output_dir": str(tmp_path), "report_to": "none", "use_cpu": True}
+    assert LongStrawGRPOConfig(**common).context_parallel_size == 1
+    adopted = LongStrawGRPOConfig(**common, parallelism_config=ParallelismConfig(cp_size=2))
+    assert adopted.context_parallel_size == 2
+    assert adopted.parallelism_config is None  # Accelerate's own CP stays off: LongStraw's replaces it
+    with pytest.raises(ValueError, match="context_parallel_size=4 but Accelerate's parallelism_config has cp_size=2"):
+        LongStrawGRPOConfig(**common, parallelism_config=ParallelismConfig(cp_size=2), context_parallel_size=4)
+    with pytest.raises(ValueError, match="positive integer"):
+        LongStrawGRPOConfig(**common, context_parallel_size=0)
+    # One process cannot build the case (TRL's own check refuses it first); on 2 ranks, 2 rows each, groups of 4 can.
+    config = LongStrawGRPOConfig(**common, context_parallel_size=2, per_device_train_batch_size=4, num_generations=4)
+    config.per_device_train_batch_size = 2
+    with pytest.raises(ValueError, match="2 rows\\) to hold whole groups of num_generations=4"):
+        config._validate_context_parallel_batches()
+
+
+def test_groups_need_a_distributed_launch_and_a_world_the_size_divides(tmp_path):
+    import torch.distributed as dist
+
+    from trl_longstraw.context_parallel import ContextParallelError, build_parallel_groups
+
+    with pytest.raises(ContextParallelError, match="needs a distributed launch: run `accelerate launch"):
+        build_parallel_groups(2)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ContextParallelError, match="does not divide the 1 processes.*launch a multiple of 2"):
+            build_parallel_groups(2)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["detach", "exact"])
+def test_data_times_context_parallel_ranks_end_with_the_mean_single_process_gradient(tmp_path, mode):
+    """4 ranks, dp = 2 x cp = 2: CP groups {0, 1} and {2, 3} take one prompt each, DP groups {0, 2} and {1, 3}."""
+    args = (4, str(tmp_path / "init"), mode, str(tmp_path))
+    mp.start_processes(run_data_and_context_parallel, args=args, nprocs=4, join=True, start_method="fork")
+    for rank in range(4):
+        result = torch.load(tmp_path / f"dpcp-{mode}-rank{rank}.pt")
+        assert result["context_ranks"] == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert result["data_ranks"] == [rank % 2, rank % 2 + 2]
+        worst = max(result["grad_errors"], key=result["grad_errors"].get)
+        assert result["grad_errors"][worst] <= 1e-4, worst
+        assert result["rank_difference"] == 0.0
+
+
+def test_the_ranks_of_a_context_parallel_group_draw_the_rows_of_one_data_parallel_rank():
+    """world 4 = dp 2 x cp 2, 6 rows per rank per step (groups of 3): ranks 2g and 2g + 1 get what data-parallel rank g
+    of a 2-rank run gets, as a dataloader deals consecutive blocks to consecutive ranks."""
+    from trl.trainer.utils import RepeatSampler
+
+    from trl_longstraw.context_parallel import SharedRowsSampler
+
+    rows, generations = 6, 3
+
+    def dealt(stream, ranks):
+        blocks = [stream[i : i + rows] for i in range(0, len(stream), rows)]
+        return [[index for block in blocks[rank::ranks] for index in block] for rank in range(ranks)]
+
+    def sampler(ranks):
+        return RepeatSampler(range(40), generations, rows * ranks // generations, repeat_count=2, seed=7)
+
+    sharded = list(SharedRowsSampler(sampler(4), rows, 2))  # (each pass reshuffles, as TRL's sampler does)
+    # an epoch is the dataset once per data-parallel group, so twice the rows of 4 data-parallel ranks
+    assert len(SharedRowsSampler(sampler(4), rows, 2)) == len(sharded) == 2 * len(sampler(2))
+    data_parallel = dealt(list(sampler(2)), 2)
+    context_parallel = dealt(sharded, 4)
+    assert context_parallel == [data_parallel[0], data_parallel[0], data_parallel[1], data_parallel[1]]

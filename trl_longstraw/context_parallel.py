@@ -1,0 +1,872 @@
+"""Context parallelism: one group's prompt sharded by sequence across the ranks of a CP group.
+
+Every rank of a CP group keeps the durable state of one contiguous shard of the captured prompt tokens (attention K/V
+pages and MLA latent pages of its shard only; the fixed-size recurrent state is replicated after capture). Nothing of another rank's pages
+is ever copied: a query's attention over a shard is computed where the shard lives, as that shard's partial `(o,
+lse)`, and the partials are merged by log-sum-exp across the group (`merge_across`), which is exact.
+
+Sharding rule: contiguous shards, `shard r = [r N / cp, (r + 1) N / cp)` of the `N` captured tokens (sizes differ by
+at most one). Why contiguous rather than zigzag: after capture, every replayed and scored query sits after the whole
+prompt and reads every shard, so the replay's attention work (the phase repeated G times per capture) is balanced
+whatever the layout, and contiguous shards hand the recurrent state on between neighbours only.
+The capture is causal, hence imbalanced: rank r's keys are read by the queries of shards r..cp-1, so the capture's
+attention pairs on rank r are proportional to `(cp - r - 1/2) / cp^2` of `N^2` (cp = 2: 3/8 vs 1/8 of `N^2`, a 3:1
+ratio; `capture_attention_pairs` computes it). The capture runs shard by shard in rank order anyway (see below), so
+this imbalance costs time only on the ranks that serve, never memory.
+
+Capture (`ContextParallelEngine.capture`): shard by shard, in rank order. The owner of the current shard runs its
+chunks through the model; at each attention layer it broadcasts the chunk's queries (one chunk: `prefill_chunk_size`
+tokens) and every rank computes the partial attention of those queries over its own pages (the owner over its pages
+so far plus the chunk's own keys, causal; a rank whose shard is not captured yet contributes `lse = -inf`); the
+partials are merged on every rank. Meanwhile the other ranks run `ShardedPromptState.serve`, the matching loop, until
+the owner announces the end of its shard (the exact-mode recompute runs the same way, shards in reverse order, the
+owner also announcing each attention backward). Recurrent layers (GatedDeltaNet, Mamba2) are sequential: the owner of shard r + 1
+starts from shard r's final conv/recurrent states, sent point to point; after the last shard its final states are
+broadcast, so that every rank's replay starts from the whole prompt's recurrent state. So no rank ever holds another
+rank's pages, only one chunk of another rank's queries and one chunk-sized partial at a time.
+
+Replay and scoring: every rank of the group runs the same member in lockstep; each attends over its own shard's pages,
+the completion's own keys are counted on rank 0 of the group only, and `ContextParallelAttention` merges the partials
+by an all-reduce of the max log-sum-exp and then of the weighted outputs. Its backward gives each rank the gradient of
+its own partial (the ring-attention identity: a key block's gradients need only the global output and log-sum-exp) and
+all-reduces (sums) the gradients of the query-side inputs (q, the completion's own keys and values, sinks) inside the
+function, so every rank's upstream graph receives the full gradient and every rank computes identical parameter
+gradients without any further all-reduce.
+
+Communication (elements all-reduced, per replayed token, per attention layer, `heads` query heads of width `d`,
+`kv_heads` key heads, value width `dv`): forward `heads * (dv + 2)` (the max and the weighted sum with its weight),
+backward `heads * d + kv_heads * (d + dv)` (dq and the own keys' and values' gradients), plus `heads` with sinks.
+`COMMUNICATION` counts what actually went through the collectives (benchmarks/context_parallel.py checks one against
+the other).
+
+Collectives run on CPU tensors (gloo), as the tests and benchmarks do; NCCL would need the announcements' receive
+buffers on the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .attention import (
+    CAUSAL,
+    KeyBlock,
+    _finite,
+    blocks_backward,
+    blocks_forward,
+    merge_by_lse,
+    sinks_gradient,
+    sinks_partial,
+)
+from .engine import LongStrawEngine, check_prepared, no_layer_checkpointing, non_finite_error, weights_version
+from .state import AttentionPages, ConvRecurrentState, FeedForwardOnly, LatentPages, PromptState, plan_layers
+from .state.attention import sliding_window_of
+from .state.mla import absorbed_weights
+
+# Elements sent through each kind of collective by this process (reset it to measure a phase).
+COMMUNICATION: Counter = Counter()
+# Attention this process computed for other ranks' chunks (capture, recompute): wall seconds of the partials and
+# (query token, key) pairs, the capture's imbalance as measured (benchmarks/context_parallel.py reports it).
+SERVED: Counter = Counter()
+
+# dtypes a tensor header can name (p2p hand-offs, the capture's query broadcast)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# What the owner of a shard announces to the other ranks (the first entry of an announcement), in capture and in the
+# exact-mode recompute: the end of its shard, a forward attention call (capture: nothing kept; recompute: its queries
+# and merged output kept until the call's backward), the backward of a recompute attention call.
+_END_OF_SHARD, _CAPTURE, _RECOMPUTE, _BACKWARD = range(4)
+_ANNOUNCEMENT = 13
+
+
+@dataclass(frozen=True)
+class ContextParallelGroup:
+    """The ranks that share one prompt: `group` (None: the default group), this rank's index in it, its size."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None = None) -> ContextParallelGroup:
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
+        COMMUNICATION[kind] += tensor.numel()
+        dist.all_reduce(tensor, op=op, group=self.group)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, source: int, kind: str = "broadcast") -> torch.Tensor:
+        COMMUNICATION[kind] += tensor.numel()
+        dist.broadcast(tensor, group=self.group, group_src=source)
+        return tensor
+
+    def send(self, tensor: torch.Tensor, destination: int) -> None:
+        """A tensor of any shape and dtype to `destination` (header first: the receiver allocates from it)."""
+        header = torch.zeros(8, dtype=torch.int64)
+        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+        dist.send(header, group=self.group, group_dst=destination)
+        COMMUNICATION["send"] += tensor.numel()
+        dist.send(tensor.detach().contiguous().cpu(), group=self.group, group_dst=destination)
+
+    def receive(self, source: int) -> torch.Tensor:
+        header = torch.empty(8, dtype=torch.int64)
+        dist.recv(header, group=self.group, group_src=source)
+        dims = int(header[0])
+        tensor = torch.empty(tuple(header[2 : 2 + dims].tolist()), dtype=_DTYPES[int(header[1])])
+        dist.recv(tensor, group=self.group, group_src=source)
+        return tensor
+
+
+def shard_bounds(num_tokens: int, size: int) -> list[tuple[int, int]]:
+    """Contiguous shards of `num_tokens` captured tokens over `size` ranks, sizes differing by at most one."""
+    return [(rank * num_tokens // size, (rank + 1) * num_tokens // size) for rank in range(size)]
+
+
+def check_prompt_length(prompt_tokens: int, size: int) -> None:
+    """Every rank of a CP group needs at least one captured token (all but the last prompt token are captured)."""
+    if prompt_tokens - 1 < size:
+        raise ContextParallelError(
+            f"A prompt of {prompt_tokens} tokens captures {prompt_tokens - 1} (all but the last), fewer than the "
+            f"{size} ranks of context_parallel_size={size}: every rank needs at least one token of the prompt. "
+            "Lower context_parallel_size or filter out shorter prompts."
+        )
+
+
+def capture_attention_pairs(num_tokens: int, size: int) -> list[int]:
+    """Causal (query, key) pairs of the capture whose key lives on each rank: the capture's attention work per rank."""
+    pairs = []
+    for start, end in shard_bounds(num_tokens, size):
+        length = end - start
+        pairs.append(length * (length + 1) // 2 + length * (num_tokens - end))
+    return pairs
+
+
+class ContextParallelError(ValueError):
+    """A context-parallel setup that cannot work (the message names the fix)."""
+
+
+def merge_across(out: torch.Tensor, lse: torch.Tensor, cp: ContextParallelGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact softmax over the union of every rank's keys, from each rank's partial `(out, lse)`: an all-reduce of
+    the max log-sum-exp, then one of the weighted outputs with their weights. Same result on every rank."""
+    top = cp.all_reduce(lse.clone(), op=dist.ReduceOp.MAX, kind="merge")
+    safe = _finite(top)
+    weight = torch.exp(lse - safe)
+    packed = torch.cat([(weight[..., None] * out).reshape(-1), weight.reshape(-1)])
+    cp.all_reduce(packed, kind="merge")
+    total = packed[out.numel() :].view_as(weight)
+    merged = packed[: out.numel()].view_as(out) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+    return merged, safe + torch.log(total)
+
+
+def _empty_partial(q: torch.Tensor, value_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads, tokens, _ = q.shape
+    out = torch.zeros((batch, heads, tokens, value_dim), dtype=dtype, device=q.device)
+    return out, torch.full((batch, heads, tokens), float("-inf"), dtype=dtype, device=q.device)
+
+
+def partial_attention(q, q_positions, scaling, visibility, chunk_size, softcap, blocks, tensors, value_dim, sinks):
+    """This rank's `(o, lse)` over its blocks (and its sinks, on the rank that counts them); `lse = -inf` if none."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out, lse = blocks_forward(q, q_positions, scaling, visibility, chunk_size, softcap, blocks, tensors)
+    if out is None:
+        out, lse = _empty_partial(q, value_dim, acc)
+    if sinks is not None:
+        out, lse = merge_by_lse(out, lse, torch.zeros_like(out), sinks_partial(sinks, lse))
+    return out, lse
+
+
+@dataclass(frozen=True)
+class _Call:
+    """The static side of one `ContextParallelAttention` call.
+
+    `owns_suffix`: this rank counts the forward's own keys (and the sinks). `reduce_suffix`: every rank computed the
+    own keys (replay in lockstep), so their gradients are summed across ranks like dq; otherwise (capture, recompute)
+    only the owner has them. `on_backward`: the recompute's owner announces its backward to the serving ranks.
+    """
+
+    cp: ContextParallelGroup
+    owns_suffix: bool
+    reduce_suffix: bool
+    q_positions: torch.Tensor
+    scaling: float
+    visibility: object
+    chunk_size: int
+    softcap: float | None
+    own_block: KeyBlock
+    on_backward: Callable[[torch.Tensor], None] | None = None
+
+
+class ContextParallelAttention(torch.autograd.Function):
+    """Softmax attention of `q [batch, heads, tokens, d]` over the pages of every rank of the CP group plus this
+    forward's own keys (counted on the rank that `owns_suffix` only), one softmax.
+
+    Forward: this rank's partial over its pages (and the own keys and sinks where it owns them), merged across ranks.
+    Backward: each rank's blocks get their gradients from the global output and log-sum-exp; the query-side gradients
+    (q, sinks, and the own keys and values where every rank has them) are summed across ranks here, so every rank
+    returns the full gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, q, sinks, own_k, own_v, call: _Call, page_blocks, *page_tensors):
+        with torch.autocast(q.device.type, enabled=False):
+            blocks = page_blocks + ((call.own_block,) if call.owns_suffix else ())
+            tensors = page_tensors + ((own_k, own_v) if call.owns_suffix else ())
+            out, lse = partial_attention(
+                q,
+                call.q_positions,
+                call.scaling,
+                call.visibility,
+                call.chunk_size,
+                call.softcap,
+                blocks,
+                tensors,
+                own_v.shape[-1],
+                sinks if call.owns_suffix else None,
+            )
+            out, lse = merge_across(out, lse, call.cp)
+        ctx.save_for_backward(q, sinks, own_k, own_v, out, lse, *page_tensors)
+        ctx.call, ctx.blocks = call, blocks
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, sinks, own_k, own_v, out, lse, *page_tensors = ctx.saved_tensors
+        call = ctx.call
+        need = ctx.needs_input_grad
+        with torch.autocast(q.device.type, enabled=False):
+            d_out = d_out.to(out.dtype).contiguous()
+            if call.on_backward is not None:
+                call.on_backward(d_out)
+            tensors = tuple(page_tensors) + ((own_k, own_v) if call.owns_suffix else ())
+            flags = (True, *need[6:]) + ((need[2], need[3]) if call.owns_suffix else ())
+            d_q, grads = blocks_backward(
+                d_out,
+                q,
+                call.q_positions,
+                out,
+                lse,
+                call.scaling,
+                call.visibility,
+                call.chunk_size,
+                call.softcap,
+                ctx.blocks,
+                tensors,
+                flags,
+            )
+            d_own_k, d_own_v = grads[len(page_tensors) :] if call.owns_suffix else (None, None)
+            pieces = [d_q]
+            if call.reduce_suffix:
+                d_own_k = torch.zeros_like(own_k, dtype=out.dtype) if d_own_k is None else d_own_k.to(out.dtype)
+                d_own_v = torch.zeros_like(own_v, dtype=out.dtype) if d_own_v is None else d_own_v.to(out.dtype)
+                pieces += [d_own_k, d_own_v]
+            if sinks is not None:
+                own_sinks = None
+                if call.owns_suffix:
+                    own_sinks = sinks_gradient(sinks, lse, (d_out * out).sum(-1)).to(out.dtype)
+                pieces.append(torch.zeros_like(sinks, dtype=out.dtype) if own_sinks is None else own_sinks)
+            summed = _unpack(call.cp.all_reduce(_pack(pieces), kind="backward"), pieces)
+        d_q = summed[0].to(q.dtype)
+        if call.reduce_suffix:
+            d_own_k, d_own_v = summed[1], summed[2]
+        d_own_k = d_own_k.to(own_k.dtype) if need[2] and d_own_k is not None else None
+        d_own_v = d_own_v.to(own_v.dtype) if need[3] and d_own_v is not None else None
+        d_sinks = summed[-1].to(sinks.dtype) if sinks is not None and need[1] else None
+        return (d_q, d_sinks, d_own_k, d_own_v, None, None, *grads[: len(page_tensors)])
+
+
+def _pack(pieces: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([piece.reshape(-1) for piece in pieces])
+
+
+def _unpack(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    pieces, offset = [], 0
+    for piece in like:
+        pieces.append(packed[offset : offset + piece.numel()].view_as(piece))
+        offset += piece.numel()
+    return pieces
+
+
+def _accumulate_grad(leaf: torch.Tensor, grad: torch.Tensor) -> None:
+    """Add `grad` (for the first entries of `leaf`) to `leaf.grad`, as autograd would for a leaf."""
+    if leaf.grad is None:
+        leaf.grad = torch.zeros_like(leaf)
+    leaf.grad[:, : grad.shape[1]] += grad.to(leaf.grad.dtype)
+
+
+@dataclass
+class _Served:
+    """What a serving rank keeps of one recompute attention call until its backward: one chunk's queries and merge."""
+
+    query: torch.Tensor
+    positions: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    scaling: float
+    sliding_window: int | None
+    softcap: float | None
+    has_sinks: bool
+    value_dim: int
+
+
+class ShardedView:
+    """What the registered attention reaches for a paged layer of a sharded state: the layer's own pages (its shard,
+    at its absolute positions) as this rank's partial, merged across the CP group. A subclass per paged kind says
+    how its pages form a key block and how this forward's queries and own keys are formed."""
+
+    def __init__(self, layer, state: ShardedPromptState):
+        self.layer = layer
+        self.state = state
+
+    # -- per kind ----------------------------------------------------------------------------------------------------
+    def page_block(self, device, dtype, limit=None) -> tuple[tuple[KeyBlock, ...], tuple[torch.Tensor, ...]]:
+        """This rank's pages (their first `limit` entries; all by default) as one shared key block, or nothing."""
+        raise NotImplementedError
+
+    def visibility(self, sliding_window: int | None):
+        return CAUSAL
+
+    def accumulate(self, d_keys: torch.Tensor, d_values: torch.Tensor) -> None:
+        """Add a served backward's gradients of the page block's keys and values to the page leaves."""
+        raise NotImplementedError
+
+    # -- shared ------------------------------------------------------------------------------------------------------
+    def sharded_attention(self, access, query, own_k, own_v, scaling, sliding_window, softcap, sinks):
+        """`query` over every rank's pages and over `own_k/own_v` (this forward's own keys, `[batch * groups, tokens,
+        d]`), as one softmax across the CP group; announced to the serving ranks when this rank owns the chunk."""
+        state = self.state
+        positions = access.query_positions
+        limit, on_backward = None, None
+        if access.mode not in ("read", "capture", "recompute"):
+            raise ContextParallelError(
+                f"A {access.mode!r} forward over a sharded prompt state is not implemented: under context parallelism "
+                "generate with TRL's generation (e.g. rollout_from_prompt_state=False), not from the prompt state."
+            )
+        if access.mode == "read":  # every rank runs the member: rank 0 counts its own keys
+            owns_suffix, reduce_suffix = state.cp.rank == 0, True
+        else:  # this rank owns the chunk being captured or recomputed
+            owns_suffix, reduce_suffix = True, False
+            phase = _CAPTURE if access.mode == "capture" else _RECOMPUTE
+            state.announce(
+                phase, self.layer.layer_idx, query, own_v.shape[-1], positions, scaling, sliding_window, softcap, sinks
+            )
+            if access.mode == "recompute":  # the pages before the chunk
+                limit = access.prefix_length - state.shard[0]
+
+                def on_backward(d_out, layer_idx=self.layer.layer_idx):
+                    state.announce_backward(layer_idx, d_out)
+
+        page_blocks, page_tensors = self.page_block(query.device, query.dtype, limit)
+        call = _Call(
+            state.cp,
+            owns_suffix,
+            reduce_suffix,
+            positions,
+            scaling,
+            self.visibility(sliding_window),
+            access.attention_chunk_size,
+            softcap,
+            KeyBlock(positions, shared=False),
+            on_backward,
+        )
+        return ContextParallelAttention.apply(query, sinks, own_k, own_v, call, page_blocks, *page_tensors)
+
+    def _served_blocks(self, served: _Served, owner: int):
+        if self.state.cp.rank > owner:  # this shard lies after the owner's queries: nothing it may see
+            return (), ()
+        return self.page_block(served.query.device, served.query.dtype)
+
+    @torch.no_grad()
+    def serve_forward(self, served: _Served, owner: int, chunk_size: int) -> None:
+        """Another rank's chunk: this rank's partial of its queries over this rank's pages, merged on every rank."""
+        blocks, tensors = self._served_blocks(served, owner)
+        start = time.perf_counter()
+        out, lse = partial_attention(
+            served.query,
+            served.positions,
+            served.scaling,
+            self.visibility(served.sliding_window),
+            chunk_size,
+            served.softcap,
+            blocks,
+            tensors,
+            served.value_dim,
+            None,
+        )
+        SERVED["seconds"] += time.perf_counter() - start
+        SERVED["query_key_pairs"] += served.query.shape[2] * (tensors[0].shape[1] if tensors else 0)
+        served.out, served.lse = merge_across(out, lse, self.state.cp)
+
+    @torch.no_grad()
+    def serve_backward(self, served: _Served, d_out: torch.Tensor, owner: int, chunk_size: int) -> None:
+        """Another rank's recompute backward: this rank's pages get their gradients (accumulated on the state leaves,
+        before this rank recomputes them), and this rank's share of dq goes into the owner's sum."""
+        blocks, tensors = self._served_blocks(served, owner)
+        d_q = torch.zeros(served.query.shape, dtype=served.out.dtype, device=served.query.device)
+        if blocks:
+            d_q, (d_keys, d_values) = blocks_backward(
+                d_out,
+                served.query,
+                served.positions,
+                served.out,
+                served.lse,
+                served.scaling,
+                self.visibility(served.sliding_window),
+                chunk_size,
+                served.softcap,
+                blocks,
+                tensors,
+                (True, True, True),
+            )
+            self.accumulate(d_keys, d_values)
+        pieces = [d_q]
+        if served.has_sinks:
+            pieces.append(torch.zeros(served.query.shape[1], dtype=d_q.dtype, device=d_q.device))
+        self.state.cp.all_reduce(_pack(pieces), kind="backward")
+
+
+class ShardedAttention(ShardedView):
+    """Softmax attention (GQA/MQA): this rank's K/V pages."""
+
+    def page_block(self, device, dtype, limit=None):
+        layer = self.layer
+        limit = layer.length if limit is None else limit
+        if limit == 0:
+            return (), ()
+        positions = torch.arange(layer.start_position, layer.start_position + limit, device=device)
+        dequantize = layer._dequantizer(dtype) if layer.key.fp8 else None
+        block = KeyBlock(positions, shared=True, dequantize=dequantize)
+        return (block,), (layer.key.read(limit), layer.value.read(limit))
+
+    def visibility(self, sliding_window):
+        return self.layer.visibility(sliding_window)
+
+    def accumulate(self, d_keys, d_values):
+        _accumulate_grad(self.layer.key.data, d_keys)
+        _accumulate_grad(self.layer.value.data, d_values)
+
+    def attend(self, access, query, key, value, scaling, sliding_window=None, sinks=None, softcap=None, **_):
+        layer = self.layer
+        batch, kv_heads, tokens, _ = key.shape
+        own_k = key.reshape(batch * kv_heads, tokens, -1)
+        own_v = value.reshape(batch * kv_heads, tokens, -1)
+        out = self.sharded_attention(access, query, own_k, own_v, scaling, sliding_window, softcap, sinks)
+        if access.mode == "capture":
+            layer._append(key[0], value[0], layer.visibility(sliding_window))
+        elif access.mode == "recompute":
+            access.recorded[layer] = (key[0], value[0])
+        return out
+
+
+class ShardedLatentAttention(ShardedView):
+    """MLA: this rank's latent pages, read as multi-query attention by the absorbed queries (as `LatentPages`)."""
+
+    def page_block(self, device, dtype, limit=None):
+        pages = self.layer.pages
+        limit = pages.length if limit is None else limit
+        if limit == 0:
+            return (), ()
+        start = self.layer.prompt.start_position  # the shard's first absolute position
+        positions = torch.arange(start, start + limit, device=device)
+        data = pages.read(limit)
+        return (KeyBlock(positions, shared=True),), (data, data[..., : self.layer.mixer.kv_lora_rank])
+
+    def accumulate(self, d_keys, d_values):
+        leaf = self.layer.pages.data
+        if leaf.grad is None:
+            leaf.grad = torch.zeros_like(leaf)
+        leaf.grad[:, : d_keys.shape[1]] += d_keys.to(leaf.grad.dtype)
+        leaf.grad[:, : d_values.shape[1], : d_values.shape[-1]] += d_values.to(leaf.grad.dtype)
+
+    def attend(self, access, query, key, value, scaling, indices=None, **_):
+        layer = self.layer
+        if indices is not None:
+            raise ContextParallelError(
+                "DSA top-k selection under context parallelism needs a cross-rank candidate merge, not implemented "
+                "yet: set context_parallel_size=1 for this model."
+            )
+        module = layer.mixer
+        latent, rope_key = access.cache_inputs[layer.layer_idx]
+        own_keys = torch.cat([latent, rope_key], dim=-1)[:, 0]  # [batch, tokens, rank + rope]
+        rank = module.kv_lora_rank
+        w_uk, w_uv = absorbed_weights(module)
+        query_nope, query_rope = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
+        absorbed = torch.cat([torch.einsum("bhtn,khn->bhtk", query_nope, w_uk.to(query.dtype)), query_rope], dim=-1)
+        out = self.sharded_attention(access, absorbed, own_keys, own_keys[..., :rank], scaling, None, None, None)
+        if access.mode == "capture":
+            layer.pages.append(own_keys[:1])
+        elif access.mode == "recompute":
+            access.recorded[layer] = own_keys[0]
+        return torch.einsum("bhtk,khv->bhtv", out, w_uv.to(out.dtype))
+
+
+class ShardedPromptState(PromptState):
+    """One rank's share of a prompt state under context parallelism.
+
+    Its layer states see the geometry of this rank's shard (`geometry`: the shard's tokens at their absolute
+    positions), so an attention kind's pages hold exactly its shard and know their positions; the state itself
+    presents the whole prompt (`num_tokens`, `start_position`), which is what a replay continues after. Attention
+    and MLA layers are reached through a `ShardedView`, which merges every rank's partial.
+
+    Recurrent layers: on a rank after the first, entry 0 of each recurrent layer's per-chunk states is the previous
+    shard's final state (the start of this shard), so this rank's capture chunk k is chunk `k + chunk_offset` of its
+    layer states; exact mode keeps, after this shard's own entries, the whole prompt's final state for the replays.
+    """
+
+    SUPPORTED_LAYER_TYPES = (None, "full_attention", "linear_attention", "hybrid", "mlp", "moe")
+
+    def __init__(self, plans, num_tokens, start_position, cp: ContextParallelGroup, **kwargs):
+        self.cp = cp
+        self.bounds = shard_bounds(num_tokens, cp.size)
+        shard_start, shard_end = self.bounds[cp.rank]
+        super().__init__(
+            plans, num_tokens=shard_end - shard_start, start_position=start_position + shard_start, **kwargs
+        )
+        self._whole = (num_tokens, start_position)
+        self.chunk_offset = 0
+        self._refuse_unsharded_layers()
+        views = {AttentionPages: ShardedAttention, LatentPages: ShardedLatentAttention}
+        self._views = {
+            id(layer.mixer): views[type(layer)](layer, self) for layer in self.layers if type(layer) in views
+        }
+
+    def _refuse_unsharded_layers(self) -> None:
+        """Kinds and layers context parallelism does not shard yet are refused before any collective (every rank
+        refuses alike), unsupported kinds first: they name the mixer (a DSA layer is also an 'indexed_attention')."""
+        for layer in self.layers:
+            if not isinstance(layer, AttentionPages | LatentPages | ConvRecurrentState | FeedForwardOnly):
+                raise ContextParallelError(
+                    f"Layer {layer.layer_idx} keeps a {type(layer).name!r} state, which context parallelism does not "
+                    "shard yet: set context_parallel_size=1 for this model."
+                )
+        for layer in self.layers:
+            windowed = isinstance(layer, AttentionPages) and (
+                layer.chunk_size is not None or sliding_window_of(layer.mixer, layer.mixer.config, layer.layer_type)
+            )
+            if layer.layer_type not in self.SUPPORTED_LAYER_TYPES or windowed:
+                raise ContextParallelError(
+                    f"Layer {layer.layer_idx} is a {layer.layer_type!r} layer{' with a window' if windowed else ''}: "
+                    "context parallelism shards full attention, MLA and recurrent layers only so far. Set "
+                    "context_parallel_size=1 for this model."
+                )
+
+    @property
+    def num_tokens(self) -> int:
+        return self._whole[0]
+
+    @property
+    def start_position(self) -> int:
+        return self._whole[1]
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        return self.bounds[self.cp.rank]
+
+    def for_mixer(self, module):
+        view = self._views.get(id(module))
+        return view if view is not None else super().for_mixer(module)
+
+    # -- capture and recompute: the owner announces each attention call, the other ranks serve it --------------------
+    def announce(self, phase, layer_idx, query, value_dim, positions, scaling, sliding_window, softcap, sinks) -> None:
+        announcement = torch.tensor(
+            [
+                phase,
+                layer_idx,
+                *query.shape,
+                value_dim,
+                int(positions[0]),
+                scaling,
+                -1 if sliding_window is None else sliding_window,
+                0.0 if softcap is None else softcap,
+                _DTYPES.index(query.dtype),
+                sinks is not None,
+            ],
+            dtype=torch.float64,
+        )
+        self.cp.broadcast(announcement, self.cp.rank, kind="capture")
+        self.cp.broadcast(query.detach().contiguous(), self.cp.rank, kind="capture")
+
+    def announce_backward(self, layer_idx: int, d_out: torch.Tensor) -> None:
+        announcement = torch.zeros(_ANNOUNCEMENT, dtype=torch.float64)
+        announcement[0], announcement[1] = _BACKWARD, layer_idx
+        self.cp.broadcast(announcement, self.cp.rank, kind="recompute")
+        self.cp.broadcast(d_out, self.cp.rank, kind="recompute")
+
+    def end_of_shard(self) -> None:
+        self.cp.broadcast(torch.zeros(_ANNOUNCEMENT, dtype=torch.float64), self.cp.rank, kind="capture")
+
+    def serve(self, owner: int, chunk_size: int, device: torch.device) -> None:
+        """Run the other side of `owner`'s capture (or recompute) until it announces the end of its shard. A serving
+        rank holds at most one chunk of the owner's queries (and their merged output) per attention layer."""
+        by_layer = {view.layer.layer_idx: view for view in self._views.values()}
+        kept: dict[int, _Served] = {}
+        while True:
+            announcement = torch.zeros(_ANNOUNCEMENT, dtype=torch.float64)
+            phase, layer_idx, *rest = self.cp.broadcast(announcement, owner, kind="capture").tolist()
+            phase, layer_idx = int(phase), int(layer_idx)
+            if phase == _END_OF_SHARD:
+                return
+            view = by_layer[layer_idx]
+            if phase == _BACKWARD:
+                served = kept.pop(layer_idx)
+                d_out = self.cp.broadcast(torch.empty_like(served.out), owner, kind="recompute")
+                view.serve_backward(served, d_out, owner, chunk_size)
+                continue
+            batch, heads, tokens, dim, value_dim, first, scaling, window, softcap, dtype, has_sinks = rest
+            query = torch.empty((int(batch), int(heads), int(tokens), int(dim)), dtype=_DTYPES[int(dtype)])
+            query = self.cp.broadcast(query, owner, kind="capture").to(device)
+            positions = torch.arange(int(first), int(first) + int(tokens), device=device)
+            window = None if window < 0 else int(window)
+            served = _Served(query, positions, None, None, scaling, window, softcap or None, has_sinks, int(value_dim))
+            view.serve_forward(served, owner, chunk_size)
+            if phase == _RECOMPUTE:
+                kept[layer_idx] = served
+
+    # -- recurrent layers: the sequential hand-off ---------------------------------------------------------------------
+    def recurrent_layers(self) -> list[ConvRecurrentState]:
+        return [layer for layer in self.layers if isinstance(layer, ConvRecurrentState)]
+
+    def last_own_entry(self, chunks: int) -> int:
+        return chunks - 1 + self.chunk_offset
+
+    def send_recurrent(self, destination: int) -> None:
+        for layer in self.recurrent_layers():
+            self.cp.send(layer.conv[-1], destination)
+            self.cp.send(layer.recurrent[-1], destination)
+
+    def receive_recurrent(self, source: int) -> None:
+        """Start this shard's recurrent layers from the previous shard's final states (as a capture chunk would)."""
+        for layer in self.recurrent_layers():
+            layer.conv.append(self.geometry.placement.store(self.cp.receive(source)))
+            layer.recurrent.append(self.geometry.placement.store(self.cp.receive(source)))
+        self.chunk_offset = 1
+
+    def share_final_recurrent(self) -> None:
+        """Every rank replays from the whole prompt's recurrent state: the last shard's, broadcast (fixed size).
+        Detach mode replaces this rank's own final state with it; exact mode keeps this rank's entries (the
+        recompute reads them) and appends it."""
+        last = self.cp.size - 1
+        for layer in self.recurrent_layers():
+            for states in (layer.conv, layer.recurrent):
+                final = self.cp.broadcast(states[-1].clone(), last, kind="recurrent")
+                if self.cp.rank == last:
+                    continue
+                if self.exact:
+                    states.append(final)
+                else:
+                    states[-1] = final
+
+    def send_recurrent_gradients(self, destination: int) -> None:
+        """Exact mode: the gradient on this shard's starting states belongs to the previous shard's final states."""
+        for layer in self.recurrent_layers():
+            for start in (layer.conv[0], layer.recurrent[0]):
+                self.cp.send(torch.zeros_like(start) if start.grad is None else start.grad, destination)
+
+    def receive_recurrent_gradients(self, source: int, chunks: int) -> None:
+        entry = self.last_own_entry(chunks)
+        for layer in self.recurrent_layers():
+            for final in (layer.conv[entry], layer.recurrent[entry]):
+                grad = self.cp.receive(source).to(final.device, final.dtype)
+                final.grad = grad if final.grad is None else final.grad + grad
+
+
+@dataclass
+class ContextParallelEngine(LongStrawEngine):
+    """`LongStrawEngine` with the prompt sharded across `context_parallel` (module docstring). With a group of one
+    (or none) it is the plain engine. Every rank of the group must call `capture`, `score`, `replay` and
+    `backward_prompt` with the same arguments, in the same order."""
+
+    context_parallel: ContextParallelGroup | None = field(default=None)
+
+    @property
+    def sharded(self) -> bool:
+        return self.context_parallel is not None and self.context_parallel.size > 1
+
+    def _own_chunks(self, state: ShardedPromptState) -> list[tuple[int, int]]:
+        shard_start, shard_end = state.shard
+        return [
+            (start, min(start + self.prefill_chunk_size, shard_end))
+            for start in range(shard_start, shard_end, self.prefill_chunk_size)
+        ]
+
+    @torch.no_grad()
+    def capture(self, model, prompt_ids, first_position):
+        if not self.sharded:
+            return super().capture(model, prompt_ids, first_position)
+        cp = self.context_parallel
+        check_prepared(model)
+        check_prompt_length(prompt_ids.numel(), cp.size)
+        num_tokens = prompt_ids.numel() - 1
+        state = ShardedPromptState(
+            plan_layers(model),
+            num_tokens,
+            first_position,
+            cp,
+            device=self.state_device or self._device(model),
+            weights_version=weights_version(model),
+            exact=self.prompt_gradient == "exact",
+            fp8_pages=self.prompt_state_dtype == "float8_e4m3fn",
+        )
+        for owner in range(cp.size):
+            if owner != cp.rank:
+                state.serve(owner, self.attention_chunk_size, self._device(model))
+                continue
+            if owner > 0:
+                state.receive_recurrent(owner - 1)
+            for chunk_index, (start, end) in enumerate(self._own_chunks(state)):
+                chunk = chunk_index + state.chunk_offset
+                self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk)
+            state.end_of_shard()
+            if owner < cp.size - 1:
+                state.send_recurrent(owner + 1)
+        state.share_final_recurrent()
+        state.check_captured()
+        finite = torch.tensor([float(state.all_finite())])
+        if not cp.all_reduce(finite, op=dist.ReduceOp.MIN, kind="capture").item():  # every rank raises together
+            raise non_finite_error("the captured prompt state")
+        return state
+
+    def backward_prompt(self, model, state, prompt_ids) -> None:
+        """Exact mode: each rank pushes its shard's state gradient into the parameters by recomputing its own chunks,
+        shards in reverse order (the last shard's recompute sends gradients into earlier shards' pages, served where
+        they live, and into its starting recurrent state, sent back to the previous shard's owner, before those are
+        recomputed); then the parameter gradients this added are summed across the CP group."""
+        if not self.sharded:
+            return super().backward_prompt(model, state, prompt_ids)
+        cp = self.context_parallel
+        state.check_fresh(weights_version(model))
+        params = [p for p in model.parameters() if p.requires_grad]
+        before = [None if p.grad is None else p.grad.clone() for p in params]
+        chunks = self._own_chunks(state)
+        shard_start = state.shard[0]
+        with no_layer_checkpointing(model), torch.enable_grad():
+            for owner in reversed(range(cp.size)):
+                if owner != cp.rank:
+                    state.serve(owner, self.attention_chunk_size, self._device(model))
+                    continue
+                if owner < cp.size - 1:
+                    state.receive_recurrent_gradients(owner + 1, len(chunks))
+                for chunk_index in reversed(range(len(chunks))):
+                    start, end = chunks[chunk_index]
+                    chunk = chunk_index + state.chunk_offset
+                    access = self._backbone_forward(model, state, "recompute", prompt_ids[start:end], start, chunk)
+                    pairs = [
+                        pair
+                        for layer_state, recorded in access.recorded.items()
+                        for pair in layer_state.recompute_pairs(
+                            recorded, chunk, start - shard_start, end - shard_start
+                        )
+                    ]
+                    if pairs:
+                        torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
+                state.end_of_shard()
+                if owner > 0:
+                    state.send_recurrent_gradients(owner - 1)
+        sum_added_gradients(params, before, cp)
+
+
+def sum_added_gradients(params, before, cp: ContextParallelGroup) -> None:
+    """Sum across the CP group what each rank's prompt recompute added to the parameter gradients (the replays'
+    part, identical on every rank, is kept once). A parameter reached on any rank gets a gradient on every rank."""
+    reached = torch.tensor([float(p.grad is not None) for p in params])
+    cp.all_reduce(reached, op=dist.ReduceOp.MAX, kind="gradients")
+    params = [(p, b) for p, b, r in zip(params, before, reached.tolist(), strict=True) if r]
+    added = [
+        p.grad - b if b is not None else (p.grad if p.grad is not None else torch.zeros_like(p)) for p, b in params
+    ]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for index, delta in enumerate(added):
+        by_dtype.setdefault(delta.dtype, []).append(index)
+    for indices in by_dtype.values():
+        summed = _unpack(
+            cp.all_reduce(_pack([added[i] for i in indices]), kind="gradients"), [added[i] for i in indices]
+        )
+        for i, total in zip(indices, summed, strict=True):
+            param, base = params[i]
+            param.grad = total.clone() if base is None else base + total
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """Data x context parallelism: this rank's CP group (the ranks that share its prompts) and its DP group (the
+    ranks at the same index of the other CP groups, across which gradients are averaged, as DDP would)."""
+
+    context: ContextParallelGroup
+    data: dist.ProcessGroup | None
+
+
+def build_parallel_groups(context_parallel_size: int) -> ParallelGroups:
+    """`world = dp x cp` process groups on `torch.distributed`: consecutive ranks `[k cp, (k + 1) cp)` form CP group
+    k (neighbours share a prompt: on a multi-GPU node they share the fastest links); ranks `i, i + cp, ...` form a DP
+    group. Every rank creates every group, in the same order, as `new_group` requires."""
+    size = context_parallel_size
+    if not dist.is_available() or not dist.is_initialized():
+        raise ContextParallelError(
+            f"context_parallel_size={size} needs a distributed launch: run `accelerate launch --num_processes N` with "
+            f"N a multiple of {size}, or set context_parallel_size=1."
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size:
+        raise ContextParallelError(
+            f"context_parallel_size={size} does not divide the {world} processes (world = data parallel x context "
+            f"parallel): launch a multiple of {size} processes, or set context_parallel_size to a divisor of {world}."
+        )
+    context = data = None
+    for first in range(0, world, size):
+        ranks = list(range(first, first + size))
+        group = dist.new_group(ranks)
+        context = group if rank in ranks else context
+    for index in range(size):
+        ranks = list(range(index, world, size))
+        group = dist.new_group(ranks)
+        data = group if rank in ranks else data
+    return ParallelGroups(ContextParallelGroup.of(context), data)
+
+
+def share_leader_inputs(inputs, cp: ContextParallelGroup):
+    """Every rank of a CP group generates and trains on its first rank's rows, from its random state: the group then
+    samples the same completions and computes the same loss, so its ranks replay the same members in lockstep. With
+    `SharedRowsSampler` the rows are already the same (this then only aligns the random state); without it (iterable
+    datasets) the other ranks' own rows of the step are drawn and not used."""
+    payload = [inputs, torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
+    dist.broadcast_object_list(payload, group=cp.group, group_src=0)
+    torch.set_rng_state(payload[1])
+    if payload[2] is not None:
+        torch.cuda.set_rng_state(payload[2])
+    return payload[0]
+
+
+class SharedRowsSampler(torch.utils.data.Sampler):
+    """TRL's `RepeatSampler` for `world / cp` data-parallel ranks, each block of `rows_per_rank` rows repeated `cp`
+    times in a row: the dataloader deals consecutive blocks to consecutive ranks, so the ranks of a CP group (which
+    are consecutive) all draw the same rows, and a step consumes the rows a data-parallel run of `world / cp` ranks
+    would (no rank's rows are drawn and dropped)."""
+
+    def __init__(self, sampler, rows_per_rank: int, copies: int):
+        # The same sampler with `1 / copies` of its prompts per generation batch (its arguments are public fields).
+        self.base = type(sampler)(
+            sampler.data_source,
+            sampler.mini_repeat_count,
+            sampler.batch_size // copies,
+            sampler.repeat_count,
+            sampler.shuffle,
+            sampler.seed,
+        )
+        self.rows_per_rank, self.copies = rows_per_rank, copies
+
+    def __iter__(self):
+        block = []
+        for index in self.base:
+            block.append(index)
+            if len(block) == self.rows_per_rank:
+                for _ in range(self.copies):
+                    yield from block
+                block = []
+
+    def __len__(self) -> int:
+        return len(self.base) // self.rows_per_rank * self.rows_per_rank * self.copies
