@@ -1,29 +1,42 @@
 #!/usr/bin/env bash
-# The GPU check, one command for a lent GPU machine (an H200 here), nothing installed, under 8 minutes:
+# The GPU check, one command for a lent GPU machine (an H200 here), nothing installed, under 8 minutes in all:
 #   OUT=/path/to/results bash benchmarks/gpu_check.sh
-# 1. CUDA correctness: tests/test_gpu.py (capture + score vs a full forward, exact gradients vs a full backward, state
-#    unmutated, pinned host state) for every family of the support table (trl_longstraw.embedded.FAMILIES).
-# 2. The update sweep at GPU scale in bf16: the Qwen3.5/3.6-27B layer geometry at full width (preset
-#    hybrid-qwen35-gpu), stock batched / stock serialized / LongStraw detach / exact, P up to 128K.
-# Everything lands in $OUT (default benchmarks/results/gpu-h200): test log and JUnit XML, nvidia-smi, the sweep's
-# results.json/csv, plots and summary.md. PYTHON selects the interpreter that has CUDA torch and this project's deps.
+# 1. CUDA correctness (<= 120 s): tests/test_gpu.py (capture + score vs a full forward, exact gradients vs a full
+#    backward, state unmutated, pinned host state) for every family of the support table.
+# 2. The update sweep at GPU scale in bf16 (<= 170 s): the Qwen3.5/3.6-27B layer geometry at full width (preset
+#    hybrid-qwen35-gpu: 3 GatedDeltaNet + 1 full-attention layer), stock batched / stock serialized / LongStraw
+#    detach / exact, P up to 128K (the sweep writes each finished configuration, so a timeout keeps what ran).
+# 3. The long-prompt point in fp8 (<= 170 s): the same preset, prompt_state_dtype float8_e4m3fn, detach mode, P =
+#    128K, 256K, 512K, 1M, 2M while its 150 s budget allows (benchmarks/long_prompt_point.py: capture, score of
+#    G = 8 members, one replay of R = 512 with its backward; per-phase time and max_memory_allocated), TF32 on for
+#    the fp32 attention tiles.
+# Everything lands in $OUT (default benchmarks/results/gpu-h200): environment, test log and JUnit XML, the sweep's
+# results.json/csv, plots and summary.md, long_prompt.json and each step's log. PYTHON selects the interpreter that
+# has CUDA torch and this project's deps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-benchmarks/results/gpu-h200}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+START=$SECONDS
 
 { nvidia-smi; "$PYTHON" -c "import torch, transformers, trl; print(torch.__version__, torch.version.cuda, transformers.__version__, trl.__version__)"; "$PYTHON" -c "import triton, fla; print('triton', triton.__version__, 'fla', fla.__version__)" || echo "no triton/fla: torch GatedDeltaNet fallback"; } > "$OUT/environment.txt" 2>&1
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
 
-timeout 180 "$PYTHON" -m pytest tests/test_gpu.py -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
+timeout 120 "$PYTHON" -m pytest tests/test_gpu.py -q -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" \
     > "$OUT/gpu-tests.txt" 2>&1
-echo "gpu tests exit status: $?" | tee -a "$OUT/gpu-tests.txt"
+echo "gpu tests exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/gpu-tests.txt"
 
-timeout 270 "$PYTHON" benchmarks/sweep.py --model-preset hybrid-qwen35-gpu --device cuda --dtype bfloat16 \
+timeout 170 "$PYTHON" benchmarks/sweep.py --model-preset hybrid-qwen35-gpu --device cuda --dtype bfloat16 \
     --longstraw-ref worktree --modes stock-batched,stock-serialized,longstraw-detach,longstraw-exact \
     --prompt-lengths 8192,32768,131072 --group-sizes 8 --grid longstraw-detach:32768:2 --completion-length 512 \
-    --prefill-chunk-size 16384 --attention-chunk-size 16384 --time-cap-s 60 --budget-gib 100 --threads 8 \
+    --prefill-chunk-size 16384 --attention-chunk-size 16384 --time-cap-s 45 --budget-gib 100 --threads 8 \
     --reference-p 32768 --out "$OUT" > "$OUT/sweep.log" 2>&1
-echo "sweep exit status: $?" | tee -a "$OUT/sweep.log"
+echo "sweep exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/sweep.log"
+
+timeout 170 "$PYTHON" benchmarks/long_prompt_point.py --preset hybrid-qwen35-gpu --device cuda --dtype bfloat16 \
+    --prompt-state-dtype float8_e4m3fn --prompt-lengths 131072,262144,524288,1048576,2097152 --group-size 8 \
+    --completion-length 512 --prefill-chunk-size 8192 --attention-chunk-size 8192 --allow-tf32 --budget-s 150 \
+    --out "$OUT/long_prompt.json" > "$OUT/long_prompt.log" 2>&1
+echo "long-prompt point exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/long_prompt.log"

@@ -30,8 +30,10 @@ def report(source: str, prompt_tokens: int, completion_tokens: int, group_size: 
     config = load_config(source)
     account = prompt_state_account(config, dtype_bytes=dtype_bytes)
     lines = [
-        f"### {Path(source).stem} ({config.model_type}), P = {prompt_tokens:,}, G = {group_size}, "
-        f"R = {completion_tokens:,}, {8 * dtype_bytes}-bit activations",
+        (
+            f"### {Path(source).stem} ({config.model_type}), P = {prompt_tokens:,}, G = {group_size}, "
+            f"R = {completion_tokens:,}, {8 * dtype_bytes}-bit activations"
+        ),
         "",
         "| layer type | layers | bytes / token / layer | fixed bytes / layer | total at P |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -43,10 +45,14 @@ def report(source: str, prompt_tokens: int, completion_tokens: int, group_size: 
         )
     stock = stock_activation_bytes(config, prompt_tokens, completion_tokens, group_size, dtype_bytes)
     lines += [
-        f"| **LongStraw durable state** | | {account.bytes_per_token():,} (all layers) | | "
-        f"**{account.bytes(prompt_tokens) / GIB:,.2f} GiB** |",
-        f"| stock GRPO, checkpointed layer inputs (lower bound) | {config.get_text_config().num_hidden_layers} | | | "
-        f"{stock / GIB:,.0f} GiB |",
+        (
+            f"| **LongStraw durable state** | | {account.bytes_per_token():,} (all layers) | | "
+            f"**{account.bytes(prompt_tokens) / GIB:,.2f} GiB** |"
+        ),
+        (
+            f"| stock GRPO, checkpointed layer inputs (lower bound) | {config.get_text_config().num_hidden_layers} | | | "
+            f"{stock / GIB:,.0f} GiB |"
+        ),
     ]
     return "\n".join(lines)
 

@@ -1,12 +1,26 @@
 """State accounting from the registry agrees with what a capture actually keeps, for every family, and with the
-paper's figures for GLM-5 and Qwen3.6-27B."""
+paper's figures for GLM-5 and Qwen3.6-27B; the whole-update accounting agrees with what bitsandbytes, PEFT and an fp8
+capture allocate, and its replay-graph estimate bounds what autograd saves."""
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
-from transformers import AutoConfig
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
-from trl_longstraw.accounting import prompt_state_account, stock_activation_bytes
+from trl_longstraw.accounting import (
+    UpdateSetup,
+    lora_account,
+    nf4_weight_bytes,
+    prompt_state_account,
+    prompt_state_bytes,
+    replay_graph_account,
+    stock_activation_bytes,
+    update_account,
+    weight_account,
+)
 from trl_longstraw.architectures import UnsupportedModelError
 from trl_longstraw.embedded import FAMILIES, build_model, tiny_config
 from trl_longstraw.engine import LongStrawEngine
@@ -15,7 +29,7 @@ from .test_engine import case, prepared
 
 
 def architecture(name):
-    kwargs = json.load(open(f"configs/architectures/{name}.json"))
+    kwargs = json.loads(Path(f"configs/architectures/{name}.json").read_text())
     return AutoConfig.for_model(**{k: v for k, v in kwargs.items() if not k.startswith("_")})
 
 
@@ -49,3 +63,150 @@ def test_a_config_the_engine_refuses_is_refused_by_the_accounting():
     config.layer_types = ["full_attention", "linear_attention"]  # a layer type its modules do not have
     with pytest.raises(UnsupportedModelError, match="Layer 1 .*layer type 'linear_attention'"):
         prompt_state_account(config)
+
+
+# -- the whole update: weights, LoRA + AdamW, state by dtype and placement, the replay's graph (estimate) -------------
+
+
+def allocated_bytes(model):
+    """Distinct storages of a model's parameters, buffers and bitsandbytes quantisation states (absmax, code books,
+    offsets, nested states): what the loaded weights occupy."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    for param in model.parameters():
+        quant_state = getattr(param, "quant_state", None)
+        if quant_state is not None:
+            tensors += [t for t in (quant_state.absmax, quant_state.code, quant_state.offset) if torch.is_tensor(t)]
+            if quant_state.state2 is not None:
+                tensors += [quant_state.state2.absmax, quant_state.state2.code]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_nf4_weight_bytes_are_what_bitsandbytes_allocates(family, double_quant, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    model = build_model(family)
+    model.save_pretrained(tmp_path)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    quantized = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, quantization_config=quantization)
+    predicted = weight_account(model.config, "nf4", double_quant=double_quant, dtype_bytes=2)
+    assert predicted.params == sum(p.numel() for p in model.parameters())
+    assert predicted.quantized_params > 0.8 * predicted.params  # the linear maps; embeddings and LM head stay bf16
+    assert predicted.bytes == allocated_bytes(quantized)
+    assert weight_account(model.config).bytes == allocated_bytes(build_model(family, dtype=torch.bfloat16))
+
+
+def test_nf4_costs_about_half_a_byte_per_value():
+    assert nf4_weight_bytes(2**20, double_quant=False) == 2**19 + 4 * 2**14 + 64
+    assert 0.515 < nf4_weight_bytes(2**30, double_quant=True) / 2**30 < 0.516
+
+
+@pytest.mark.parametrize(
+    ("family", "targets"),
+    [
+        ("qwen3", "all-linear"),
+        ("qwen3_5", "all-linear"),
+        ("qwen3_5", ["q_proj", "in_proj_qkv", "down_proj"]),
+        # GLM-5's recipe scope: PEFT adapts the fused expert tensors under these names (gate_up at twice the rank)
+        ("glm_moe_dsa", ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj"]),
+    ],
+)
+def test_lora_parameter_count_is_what_peft_adds_to_the_real_model(family, targets):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(build_model(family), peft.LoraConfig(r=4, target_modules=targets))
+    trainable, _ = model.get_nb_trainable_parameters()
+    account = lora_account(tiny_config(family), rank=4, target_modules=targets)
+    assert account.params == trainable
+    assert account.bytes == 16 * trainable  # fp32 weight, gradient, exp_avg, exp_avg_sq
+
+
+def test_lora_on_every_linear_map_of_a_dense_model_is_rank_times_in_plus_out():
+    config = tiny_config("qwen3")
+    hidden, heads, kv_heads, head_dim = config.hidden_size, 4, 2, 16
+    q, kv, mlp = heads * head_dim, kv_heads * head_dim, config.intermediate_size
+    per_layer = (hidden + q) + 2 * (hidden + kv) + (q + hidden) + 3 * (hidden + mlp)  # q, k, v, o, gate, up, down
+    assert lora_account(config, rank=8).params == 8 * config.num_hidden_layers * per_layer
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "olmo3", "gpt_oss", "glm_moe_dsa"])
+def test_fp8_state_bytes_are_what_a_capture_keeps(family):
+    model = prepared(build_model(family))
+    prompt, _, _ = case(prompt_length=150)  # 149 captured tokens: two full 64-token pages and a partial one
+    engine = LongStrawEngine(40, 16, prompt_state_dtype="float8_e4m3fn")
+    state = engine.capture(model, prompt, first_position=0)
+    predicted = prompt_state_bytes(model.config, 149, dtype_bytes=4, state_dtype="float8_e4m3fn")
+    assert sum(predicted.values()) == state.nbytes()
+    assert sum(prompt_state_bytes(model.config, 149, dtype_bytes=4).values()) == prompt_state_account(
+        model.config, dtype_bytes=4
+    ).bytes(149)
+
+
+def saved_activation_bytes(model, state, forward):
+    """Distinct storages autograd saves during `forward()`, other than parameters and the prompt state."""
+    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *state.tensors()]}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_replay_estimate_bounds_the_saved_activations(family):
+    """The replay-graph estimate's `saved` term against what autograd really saves for one replay (fp32, no
+    checkpointing): an upper bound, and not a vacuous one."""
+    completion_tokens = 70  # two chunks of the recurrent kernels
+    model = prepared(build_model(family))
+    prompt, _, _ = case(prompt_length=60)
+    completion = torch.randint(2, 100, (completion_tokens,), generator=torch.Generator().manual_seed(1))
+    engine = LongStrawEngine(32, 16)
+    state = engine.capture(model, prompt, first_position=0)
+    measured = saved_activation_bytes(
+        model, state, lambda: engine.replay(model, state, prompt[-1:], completion, completion_tokens)
+    )
+    estimate = replay_graph_account(
+        model.config, completion_tokens, 59, 16, activation_checkpointing=False, dtype_bytes=4
+    )
+    assert measured <= estimate.saved <= 3 * measured
+
+
+def test_one_h200_holds_the_qwen3_6_27b_update_at_2m_positions_only_with_fp8_state():
+    setup = UpdateSetup(
+        prompt_tokens=2_097_152,
+        completion_tokens=4096,
+        quantization="nf4",
+        lora_rank=16,
+        state_dtype="float8_e4m3fn",
+        activation_checkpointing=True,
+        prefill_chunk_size=16384,
+        attention_chunk_size=8192,
+    )
+    h200 = 131 * 1024**3
+    fp8 = update_account(architecture("qwen3_6_27b"), setup)
+    bf16 = update_account(architecture("qwen3_6_27b"), dataclasses.replace(setup, state_dtype="auto"))
+    assert fp8.state["full_attention"] * 2 < bf16.state["full_attention"] * 1.01  # half, plus the page scales
+    assert fp8.state["gated_deltanet"] == bf16.state["gated_deltanet"]  # recurrent states stay fp32
+    assert fp8.device_bytes < h200 < bf16.device_bytes
+    assert fp8.host_bytes == 0
+
+
+def test_host_resident_state_leaves_the_device():
+    setup = UpdateSetup(prompt_tokens=65_536, completion_tokens=1024, lora_rank=None, state_device="cpu")
+    host = update_account(architecture("glm5"), setup)
+    device = update_account(architecture("glm5"), dataclasses.replace(setup, state_device="device"))
+    assert host.host_bytes == device.state_bytes > 0
+    assert device.device_bytes - host.device_bytes == device.state_bytes
+    assert host.state["mla_latent"] == prompt_state_account(architecture("glm5")).by_layer_type["mla_latent"].bytes(
+        65_535
+    )

@@ -16,15 +16,26 @@ layer plan the engine captures with, so it covers exactly the models the engine 
 Stock GRPO's lower bound is what autograd must keep with activation checkpointing at every layer boundary: one
 hidden state per layer per token per member, `layers * G * (P + R) * hidden` values (without checkpointing it is
 several times more). These are computed, not measured: the measured peaks are the telemetry's.
+
+The second half predicts the device memory of a whole LongStraw update (`update_account`): the weights by dtype or
+NF4 quantisation, LoRA adapters with their AdamW state, the prompt state by dtype (model dtype or fp8 pages) and
+placement (on the device or in host memory), and an estimate of the largest working set (one replay's autograd graph,
+or one capture chunk). The first three are byte counts checked against real allocations; the working set is an
+estimate and is labelled so wherever it is printed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
+from torch import nn
 from transformers import PretrainedConfig
 
-from .architectures import check_supported
+from .architectures import check_supported, model_skeleton
+from .state.placement import FP8_PAGE_TOKENS
+from .state.registry import decoder_layers
 
 
 @dataclass
@@ -86,3 +97,436 @@ def stock_activation_bytes(
     config = config.get_text_config()
     tokens = group_size * (prompt_tokens + completion_tokens)
     return config.num_hidden_layers * tokens * config.hidden_size * dtype_bytes
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The whole update on one device: weights, LoRA + AdamW, prompt state by dtype and placement, one replay's graph.
+#
+# Everything below is computed from a config's meta-device skeleton (no weights are loaded). Weights, LoRA and state
+# are exact byte counts of what bitsandbytes, PEFT and the capture allocate (tests/test_accounting.py checks each
+# against the real allocation on a tiny model). The replay's graph and the capture chunk's working set are ESTIMATES:
+# upper-leaning models of what autograd saves and of the largest transient tensors, calibrated against the saved
+# tensors of a real replay on the tiny models of every family (test_replay_estimate_bounds_the_saved_activations).
+# What is not modelled at all: the CUDA context and the caching allocator's fragmentation, NCCL buffers, the
+# generation (vLLM or transformers) and anything the user's own code keeps.
+
+NF4_BLOCKSIZE = 64  # bitsandbytes' default 4-bit blocksize (BitsAndBytesConfig has no blocksize field)
+NF4_CODE_VALUES = 16  # the NF4 code book, fp32, one copy per quantised weight (bitsandbytes builds it per weight)
+NESTED_BLOCKSIZE = 256  # double quantisation: absmax values quantised to uint8 in blocks of 256
+NESTED_CODE_VALUES = 256  # double quantisation's 8-bit dynamic code book, fp32, one copy per quantised weight
+FP32_BYTES = 4
+
+# Replay-graph estimate, per token and decoder layer, in activation-dtype elements: ACTIVATION_FACTOR x (the inputs
+# and outputs of every linear map a token passes through + two norm inputs). The factor covers what the matmuls do
+# not (activation functions and their products, RoPE, gates, casts, LoRA's rank-r intermediates). Measured on the
+# tiny model of every family (fp32, no checkpointing), the whole `saved` term is 1.1x to 2.1x what autograd saved.
+ACTIVATION_FACTOR = 2.0
+# Recurrent mixers' chunked kernels (transformers' torch fallbacks of GatedDeltaNet and Mamba2) also save per-chunk
+# matrices in fp32: per token and head, about 8 x chunk + 12 x (key dim + value dim) + 2 x key dim x value dim / chunk
+# elements (calibrated on the fallbacks; fla / mamba-ssm kernels recompute most of this and keep less).
+RECURRENT_CHUNK_TERMS = (8, 12, 2)
+GATED_DELTANET_CHUNK = 64  # the chunk of transformers' torch_chunk_gated_delta_rule and of fla's chunked kernel
+# TRL's fused LM head (trl.kernels.chunked_logprob): tiles of [min(tokens, 4096), 32768] logits in the compute dtype,
+# and an fp32 gradient of the hidden states in backward.
+LM_HEAD_TOKEN_TILE = 4096
+LM_HEAD_VOCAB_TILE = 32768
+
+
+def _skeleton(model_or_config: nn.Module | PretrainedConfig, trust_remote_code: bool = False) -> nn.Module:
+    """The meta-device skeleton of a config, or the model given (one skeleton can serve several accounts)."""
+    if isinstance(model_or_config, nn.Module):
+        return model_or_config
+    return model_skeleton(model_or_config, trust_remote_code=trust_remote_code)
+
+
+def nf4_weight_bytes(numel: int, double_quant: bool, blocksize: int = NF4_BLOCKSIZE) -> int:
+    """Bytes bitsandbytes keeps for one NF4-quantised weight of `numel` values (`Params4bit` + its `QuantState`).
+
+    packed values: ceil(numel / 2) uint8 (two 4-bit codes per byte);
+    absmax: one per block of `blocksize`: fp32 without double quantisation; with it, uint8 plus one fp32 per
+    `NESTED_BLOCKSIZE` blocks, one fp32 offset and the nested 256-entry fp32 code book;
+    the NF4 code book: 16 fp32 (bitsandbytes 0.50 keeps both code books per weight: measured, see the tests).
+    At blocksize 64: 0.5 + 4/64 = 0.5625 byte/value without double quantisation, 0.5 + 1/64 + 4/16384 ~ 0.5158 with
+    (plus 64 B, or 1,092 B with double quantisation, per weight).
+    """
+    blocks = -(-numel // blocksize)
+    if double_quant:
+        absmax = blocks + FP32_BYTES * (-(-blocks // NESTED_BLOCKSIZE) + 1 + NESTED_CODE_VALUES)
+    else:
+        absmax = FP32_BYTES * blocks
+    return -(-numel // 2) + absmax + FP32_BYTES * NF4_CODE_VALUES
+
+
+@dataclass(frozen=True)
+class WeightAccount:
+    """The model's weights on the device: NF4-quantised linear weights and everything kept at full width."""
+
+    quantized_params: int = 0
+    quantized_bytes: int = 0
+    dense_params: int = 0
+    dense_bytes: int = 0
+    buffer_bytes: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.quantized_bytes + self.dense_bytes + self.buffer_bytes
+
+    @property
+    def params(self) -> int:
+        return self.quantized_params + self.dense_params
+
+
+def weight_account(
+    config: PretrainedConfig | nn.Module,
+    quantization: Literal["none", "nf4"] = "none",
+    double_quant: bool = True,
+    dtype_bytes: int = 2,
+    trust_remote_code: bool = False,
+) -> WeightAccount:
+    """Bytes of `config`'s weights as `from_pretrained(dtype=bf16, quantization_config=...)` leaves them.
+
+    `quantization="nf4"`: the linear maps transformers' bitsandbytes integration converts (every `nn.Linear` except
+    the output embedding, tied weights and the model's `_keep_in_fp32_modules`, found with transformers' own
+    `get_keys_to_not_convert` / `should_convert_module`) cost `nf4_weight_bytes`; everything else (embeddings, norms,
+    the LM head, convolutions, routers, fused MoE expert tensors, biases) stays at `dtype_bytes`, except parameters
+    named by the model's `_keep_in_fp32_modules_strict` (fp32 under bf16, e.g. GLM-5's router). Buffers (RoPE
+    frequencies) are counted at their own dtype.
+    """
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skeleton = _skeleton(config, trust_remote_code)
+    strict_fp32 = list(getattr(skeleton, "_keep_in_fp32_modules_strict", None) or [])
+    quantized: set[str] = set()
+    if quantization == "nf4":
+        skip = get_keys_to_not_convert(skeleton) + list(getattr(skeleton, "_keep_in_fp32_modules", None) or [])
+        quantized = {
+            name
+            for name, module in skeleton.named_modules()
+            if type(module) is nn.Linear and should_convert_module(name, skip)
+        }
+    elif quantization != "none":
+        raise ValueError(f"quantization={quantization!r}: 'none' or 'nf4'")
+    account = {"quantized_params": 0, "quantized_bytes": 0, "dense_params": 0, "dense_bytes": 0}
+    for name, param in skeleton.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        if module_name in quantized and leaf == "weight":
+            account["quantized_params"] += param.numel()
+            account["quantized_bytes"] += nf4_weight_bytes(param.numel(), double_quant)
+            continue
+        width = FP32_BYTES if any(pattern in name for pattern in strict_fp32) else dtype_bytes
+        account["dense_params"] += param.numel()
+        account["dense_bytes"] += param.numel() * width
+    buffers = sum(buffer.numel() * buffer.element_size() for buffer in skeleton.buffers())
+    return WeightAccount(**account, buffer_bytes=buffers)
+
+
+@dataclass(frozen=True)
+class LoraAccount:
+    """LoRA adapters and what AdamW keeps for them: per trainable value, its weight, its gradient, `exp_avg` and
+    `exp_avg_sq`, each at `value_bytes` (fp32 by PEFT's default; TRL 1.16 casts QLoRA adapters to bf16, so 2)."""
+
+    rank: int
+    params: int
+    value_bytes: int = FP32_BYTES
+
+    @property
+    def bytes(self) -> int:
+        return 4 * self.params * self.value_bytes
+
+
+def lora_account(
+    config: PretrainedConfig,
+    rank: int,
+    target_modules: str | Sequence[str] = "all-linear",
+    value_bytes: int = FP32_BYTES,
+    trust_remote_code: bool = False,
+) -> LoraAccount:
+    """LoRA of `rank` on `target_modules`, counted by PEFT itself on the meta-device skeleton (no memory).
+
+    Per adapted linear map PEFT adds `rank x (in_features + out_features)` values (A and B). Which maps it adapts is
+    PEFT's rule, not a formula, so PEFT is asked: `"all-linear"` is every linear map but the output embedding, and on
+    transformers 5 MoE models whose experts are fused `[experts, out, in]` tensors, PEFT (0.21) turns the names
+    `gate_proj` / `up_proj` / `down_proj` into LoRA on the fused expert tensors (`rank x experts x (in + out)` each,
+    at twice the rank on `gate_up_proj` when both halves are named) and no longer adapts the dense or shared-expert
+    maps of those names.
+    """
+    import peft
+    import torch
+
+    skeleton = model_skeleton(config, trust_remote_code=trust_remote_code)
+    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    with torch.device("meta"):
+        adapted = peft.get_peft_model(skeleton, peft.LoraConfig(r=rank, target_modules=targets))
+    trainable, _ = adapted.get_nb_trainable_parameters()
+    return LoraAccount(rank, trainable, value_bytes)
+
+
+def fp8_pages_bytes(kv_heads: int, head_dim: int, num_tokens: int) -> int:
+    """K and V of one attention layer in fp8 pages: 1 byte per value plus one fp32 scale per (64-token page, kv head),
+    for K and for V (`state/placement.py`)."""
+    pages = -(-num_tokens // FP8_PAGE_TOKENS)
+    return 2 * (kv_heads * num_tokens * head_dim + FP32_BYTES * kv_heads * pages)
+
+
+def prompt_state_bytes(
+    config: PretrainedConfig | nn.Module,
+    num_tokens: int,
+    dtype_bytes: int = 2,
+    state_dtype: Literal["auto", "float8_e4m3fn"] = "auto",
+    exact: bool = False,
+    trust_remote_code: bool = False,
+) -> dict[str, int]:
+    """Bytes of one captured state of `num_tokens` prompt tokens, by state label, as the capture allocates them.
+
+    `state_dtype="float8_e4m3fn"` (detach mode only, as the engine) stores the K/V pages of full-attention layers in
+    fp8 with per-(page, kv head) fp32 scales; windowed layers keep their few entries, recurrent states stay fp32, MLA
+    latents and DSA indexer keys stay in the model dtype (`dtype_bytes`).
+    """
+    if exact and state_dtype != "auto":
+        raise ValueError("fp8 prompt-state pages are detach mode only: the exact gradient needs full-width leaves")
+    skeleton = _skeleton(config, trust_remote_code)
+    plans = check_supported(skeleton)
+    text_config = skeleton.config.get_text_config()
+    by_label: dict[str, int] = {}
+    for plan in plans:
+        for kind, mixer in plan.kinds:
+            part = kind.account(mixer, text_config, plan.layer_type, dtype_bytes, exact)
+            if part.label == "feed_forward":
+                continue
+            if state_dtype == "float8_e4m3fn" and part.label == "full_attention":
+                values_per_token = part.per_token // (2 * dtype_bytes)  # kv_heads x head_dim, for K (and for V)
+                kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+                nbytes = fp8_pages_bytes(kv_heads, values_per_token // kv_heads, num_tokens)
+            else:
+                nbytes = part.per_token * num_tokens + part.fixed
+            by_label[part.label] = by_label.get(part.label, 0) + nbytes
+    return by_label
+
+
+def _layer_linear_elements(layer: nn.Module, experts_per_token: int) -> int:
+    """Inputs + outputs of every linear map one token passes through in `layer` (per token, in elements). Fused MoE
+    expert tensors `[experts, out, in]` count for the `experts_per_token` experts a token is routed to."""
+    total = 0
+    for module in layer.modules():
+        if isinstance(module, nn.Linear):
+            total += module.in_features + module.out_features
+            continue
+        for param in module.parameters(recurse=False):
+            if param.dim() == 3:  # fused experts: [experts, out, in] (or [experts, in, out])
+                total += experts_per_token * (param.shape[1] + param.shape[2])
+    return total
+
+
+def _recurrent_chunk_elements(kind_name: str, mixer: nn.Module) -> int:
+    """fp32 elements per token the chunked kernel of a recurrent mixer saves (RECURRENT_CHUNK_TERMS), or 0."""
+    if kind_name == "gated_deltanet":
+        heads, key_dim, value_dim, chunk = mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, GATED_DELTANET_CHUNK
+    elif kind_name == "mamba2":
+        heads, key_dim, value_dim, chunk = mixer.num_heads, mixer.ssm_state_size, mixer.head_dim, mixer.chunk_size
+    else:
+        return 0
+    per_chunk, per_dim, per_state = RECURRENT_CHUNK_TERMS
+    return heads * (per_chunk * chunk + per_dim * (key_dim + value_dim) + -(-per_state * key_dim * value_dim // chunk))
+
+
+@dataclass(frozen=True)
+class GraphAccount:
+    """An ESTIMATE of the largest working set of one forward (+ backward) of `tokens` tokens over the prompt state:
+    what autograd saves (`saved`), the backward's working set (`backward`), the prefix attention's fp32 score tiles
+    (`attention_tiles`), TRL's fused LM head (`lm_head`) and transformers' DSA indexer (`indexer`)."""
+
+    tokens: int
+    saved: int = 0
+    backward: int = 0
+    attention_tiles: int = 0
+    lm_head: int = 0
+    indexer: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.saved + self.backward + self.attention_tiles + self.lm_head + self.indexer
+
+
+def _attention_geometry(plans, text_config) -> tuple[int, int]:
+    """(query heads, DSA index heads) of the widest attention-like mixer (0 where the model has none)."""
+    heads = index_heads = 0
+    for plan in plans:
+        for kind, mixer in plan.kinds:
+            if kind.name in ("attention", "mla_latent"):
+                heads = max(heads, getattr(mixer, "num_heads", None) or text_config.num_attention_heads)
+            elif kind.name == "dsa_indexer":
+                index_heads = max(index_heads, mixer.n_heads)
+    return heads, index_heads
+
+
+def replay_graph_account(
+    config: PretrainedConfig | nn.Module,
+    completion_tokens: int,
+    prompt_tokens: int,
+    attention_chunk_size: int,
+    activation_checkpointing: bool,
+    dtype_bytes: int = 2,
+    trust_remote_code: bool = False,
+) -> GraphAccount:
+    """ESTIMATE of one member's replay under autograd: `[last prompt token, completion]` = R + 1 tokens.
+
+    saved: ACTIVATION_FACTOR x (linear inputs + outputs + 2 x hidden) per token and layer at `dtype_bytes`, plus the
+    recurrent kernels' fp32 chunk terms; with activation checkpointing, one hidden state per token and layer plus one
+    layer's activations recomputed in backward. backward: one layer's activations again (gradients of the layer being
+    back-propagated, in flight). attention_tiles: the prefix attention visits the prompt in chunks of
+    `attention_chunk_size` keys, each a `[heads, R + 1, chunk]` fp32 score tile and its exponent (two alive at once
+    on the plain-torch path; a fused kernel keeps less). lm_head: TRL's fused head, `[min(R, 4096), 32768]` logits
+    tiles in the compute dtype plus the fp32 gradient of `[R, hidden]`. indexer: transformers' DSA indexer scores
+    every replayed token against all P + R keys, `[R + 1, index_heads, P + R + 1]` fp32 scores and their ReLU, plus
+    `[R + 1, P + R + 1]` index scores (fp32) and mask (bool), without chunking.
+    """
+    return _graph_account(
+        config,
+        completion_tokens + 1,
+        prompt_tokens,
+        attention_chunk_size,
+        activation_checkpointing,
+        True,
+        dtype_bytes,
+        trust_remote_code,
+    )
+
+
+def capture_chunk_account(
+    config: PretrainedConfig | nn.Module,
+    prefill_chunk_size: int,
+    prompt_tokens: int,
+    attention_chunk_size: int,
+    dtype_bytes: int = 2,
+    trust_remote_code: bool = False,
+) -> GraphAccount:
+    """ESTIMATE of one no-grad capture chunk's transient tensors: about 3 x (the widest linear output) + 3 x hidden
+    per token (a gated MLP's gate, up and product beside the residual stream), the attention tiles of its
+    `prefill_chunk_size` queries over one key chunk, and the DSA indexer's scores against the whole prompt so far."""
+    return _graph_account(
+        config,
+        min(prefill_chunk_size, prompt_tokens),
+        prompt_tokens,
+        attention_chunk_size,
+        False,
+        False,
+        dtype_bytes,
+        trust_remote_code,
+    )
+
+
+def _graph_account(
+    config, tokens, prompt_tokens, attention_chunk_size, checkpointing, grad, dtype_bytes, trust_remote_code
+) -> GraphAccount:
+    skeleton = _skeleton(config, trust_remote_code)
+    plans = check_supported(skeleton)
+    text_config = skeleton.config.get_text_config()
+    hidden = text_config.hidden_size
+    top_k = getattr(text_config, "num_experts_per_tok", None) or 1
+    layers = decoder_layers(skeleton)
+    per_layer = []
+    for plan, layer in zip(plans, layers, strict=True):
+        elements = ACTIVATION_FACTOR * (_layer_linear_elements(layer, top_k) + 2 * hidden) * dtype_bytes
+        recurrent = sum(_recurrent_chunk_elements(kind.name, mixer) for kind, mixer in plan.kinds) * FP32_BYTES
+        per_layer.append(int(elements) + recurrent)
+    heads, index_heads = _attention_geometry(plans, text_config)
+    keys = prompt_tokens + (tokens if grad else 0)
+    tiles = 2 * heads * tokens * min(attention_chunk_size, max(keys, 1)) * FP32_BYTES
+    indexer = index_heads and tokens * keys * (2 * index_heads * FP32_BYTES + FP32_BYTES + 1)
+    if not grad:  # no autograd: the widest transient of one layer, not what a backward would need
+        widest = max(
+            (m.out_features for layer in layers for m in layer.modules() if isinstance(m, nn.Linear)), default=hidden
+        )
+        transient = tokens * (3 * widest + 3 * hidden) * dtype_bytes
+        return GraphAccount(tokens, saved=transient, attention_tiles=tiles, indexer=indexer)
+    one_layer = tokens * max(per_layer)
+    if checkpointing:
+        saved = tokens * len(per_layer) * hidden * dtype_bytes + one_layer
+    else:
+        saved = tokens * sum(per_layer)
+    head_tokens = min(tokens, LM_HEAD_TOKEN_TILE)
+    vocab_tile = min(LM_HEAD_VOCAB_TILE, text_config.vocab_size)
+    lm_head = head_tokens * vocab_tile * dtype_bytes + tokens * hidden * FP32_BYTES
+    return GraphAccount(tokens, saved, one_layer, tiles, lm_head, indexer)
+
+
+@dataclass(frozen=True)
+class UpdateSetup:
+    """One LongStraw update on one device: the knobs that decide its memory (defaults: the recipes' choices)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    group_size: int = 8
+    quantization: Literal["none", "nf4"] = "none"
+    double_quant: bool = True
+    lora_rank: int | None = 16  # None: full fine-tuning is not modelled; no adapters counted
+    lora_targets: str | tuple[str, ...] = "all-linear"
+    lora_value_bytes: int = FP32_BYTES
+    state_dtype: Literal["auto", "float8_e4m3fn"] = "auto"
+    state_device: Literal["device", "cpu"] = "device"
+    activation_checkpointing: bool = True
+    prefill_chunk_size: int = 2048
+    attention_chunk_size: int = 4096
+    dtype_bytes: int = 2
+
+
+@dataclass(frozen=True)
+class UpdateAccount:
+    """Predicted memory of one detach-mode update. `device_bytes`: what the device holds at the update's peak (the
+    weights, the adapters and their optimizer state, the prompt state if it lives there, the larger of the replay's
+    and the capture chunk's working sets, and the group's per-token scalars); `host_bytes`: a host-resident state."""
+
+    setup: UpdateSetup
+    weights: WeightAccount
+    lora: LoraAccount | None
+    state: dict[str, int]
+    replay: GraphAccount
+    capture: GraphAccount
+    group_scalars: int
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(self.state.values())
+
+    @property
+    def working_set(self) -> GraphAccount:
+        return max(self.replay, self.capture, key=lambda graph: graph.bytes)
+
+    @property
+    def device_bytes(self) -> int:
+        state = self.state_bytes if self.setup.state_device == "device" else 0
+        lora = self.lora.bytes if self.lora else 0
+        return self.weights.bytes + lora + state + self.working_set.bytes + self.group_scalars
+
+    @property
+    def host_bytes(self) -> int:
+        return self.state_bytes if self.setup.state_device == "cpu" else 0
+
+
+def update_account(config: PretrainedConfig, setup: UpdateSetup, trust_remote_code: bool = False) -> UpdateAccount:
+    """Predict the memory of one detach-mode LongStraw update of `config` under `setup` (see `UpdateAccount`).
+
+    The group size enters only through per-token scalars (log-probs, old log-probs, advantages, masks: eight `[G, R]`
+    fp32 tensors): the state is captured once and members are replayed one at a time.
+    """
+    remote = {"trust_remote_code": trust_remote_code}
+    lora = None
+    if setup.lora_rank:  # PEFT wraps the modules of its own skeleton
+        lora = lora_account(config, setup.lora_rank, setup.lora_targets, setup.lora_value_bytes, **remote)
+    skeleton = model_skeleton(config, **remote)  # one skeleton for everything else
+    weights = weight_account(skeleton, setup.quantization, setup.double_quant, setup.dtype_bytes)
+    state = prompt_state_bytes(skeleton, setup.prompt_tokens - 1, setup.dtype_bytes, setup.state_dtype)
+    replay = replay_graph_account(
+        skeleton,
+        setup.completion_tokens,
+        setup.prompt_tokens - 1,
+        setup.attention_chunk_size,
+        setup.activation_checkpointing,
+        setup.dtype_bytes,
+    )
+    capture = capture_chunk_account(
+        skeleton, setup.prefill_chunk_size, setup.prompt_tokens - 1, setup.attention_chunk_size, setup.dtype_bytes
+    )
+    scalars = 8 * setup.group_size * setup.completion_tokens * FP32_BYTES
+    return UpdateAccount(setup, weights, lora, state, replay, capture, scalars)

@@ -1,0 +1,177 @@
+"""Predicted device memory of one whole LongStraw update (detach mode), next to one H200: the README's table.
+
+    .venv/bin/python benchmarks/update_accounting.py                      # the README rows (2,097,152 positions)
+    .venv/bin/python benchmarks/update_accounting.py --completion-tokens 2048 --breakdown
+
+Each row is `trl_longstraw.accounting.update_account` on a file of `configs/architectures/` (meta-device skeleton, no
+weights): weights (bf16, or NF4 as bitsandbytes stores it), LoRA adapters with their fp32 AdamW state (counted by
+PEFT on the skeleton), the prompt state by dtype and placement, and the ESTIMATED working set, the larger of one
+replay's autograd graph and one capture chunk's transients. Weights, LoRA and state are byte counts (checked against
+real allocations in tests/test_accounting.py); the working set is an estimate. Nothing here is measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import warnings
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from state_accounting import GIB, load_config
+
+from trl_longstraw.accounting import UpdateAccount, UpdateSetup, update_account
+
+ARCHITECTURES = HERE.parent / "configs" / "architectures"
+H200_USABLE_GIB = 131  # 141 GB of HBM3e, about 131 GiB usable by CUDA
+GLM5_TARGETS = (
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+def rows(prompt_tokens: int, completion_tokens: int, group_size: int) -> list[tuple[str, str, UpdateSetup]]:
+    """(architecture file, label, setup): the recipes' chunk sizes, LoRA scope and placement."""
+    qwen = UpdateSetup(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        group_size=group_size,
+        quantization="nf4",
+        double_quant=True,  # use_bnb_nested_quant in configs/qwen3_6_27b_qlora.yaml
+        lora_rank=16,
+        lora_targets="all-linear",
+        state_dtype="float8_e4m3fn",
+        activation_checkpointing=True,
+        prefill_chunk_size=16384,
+        attention_chunk_size=8192,
+    )
+    glm = UpdateSetup(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        group_size=group_size,
+        lora_rank=8,
+        lora_targets=GLM5_TARGETS,
+        state_device="cpu",
+        activation_checkpointing=True,
+        prefill_chunk_size=8192,
+        attention_chunk_size=8192,
+    )
+    return [
+        ("qwen3_6_27b", "NF4 QLoRA r16 all-linear, fp8 state, checkpointing", qwen),
+        (
+            "qwen3_6_27b",
+            "NF4 QLoRA r16 all-linear, bf16 state, checkpointing",
+            dataclasses.replace(qwen, state_dtype="auto"),
+        ),
+        (
+            "qwen3_6_27b",
+            "NF4 QLoRA r16 all-linear, fp8 state, no checkpointing",
+            dataclasses.replace(qwen, activation_checkpointing=False),
+        ),
+        ("glm5", "bf16 LoRA r8 (recipe scope), bf16 state in host memory, checkpointing", glm),
+    ]
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:,.1f}"
+
+
+def verdict(account: UpdateAccount) -> str:
+    device = account.device_bytes / GIB
+    if device <= H200_USABLE_GIB:
+        return f"fits ({H200_USABLE_GIB - device:,.1f} GiB spare)"
+    return f"does not fit (>= {math.ceil(device / H200_USABLE_GIB)} H200s of memory)"
+
+
+def table_row(name: str, label: str, account: UpdateAccount) -> str:
+    setup = account.setup
+    where = "host" if setup.state_device == "cpu" else "device"
+    state_dtype = "fp8 pages" if setup.state_dtype == "float8_e4m3fn" else "model dtype"
+    work = account.working_set
+    which = "replay" if work is account.replay else "capture chunk"
+    lora = account.lora.bytes if account.lora else 0
+    return (
+        f"| {name} | {label} | {gib(account.weights.bytes)} | {gib(lora)} | "
+        f"{gib(account.state_bytes)} ({state_dtype}, {where}) | {gib(work.bytes)} ({which}) | "
+        f"{gib(work.indexer)} | **{gib(account.device_bytes)}** | {gib(account.host_bytes)} | {verdict(account)} |"
+    )
+
+
+def breakdown(name: str, label: str, account: UpdateAccount) -> str:
+    lines = [f"{name}, {label}:"]
+    weights = account.weights
+    lines.append(
+        f"  weights {gib(weights.bytes)} GiB: {weights.quantized_params / 1e9:.2f}B NF4 values "
+        f"({gib(weights.quantized_bytes)} GiB), {weights.dense_params / 1e9:.2f}B full-width ({gib(weights.dense_bytes)} "
+        "GiB)"
+    )
+    if account.lora:
+        lines.append(
+            f"  LoRA rank {account.lora.rank}: {account.lora.params / 1e6:,.1f}M values x 16 B "
+            f"(fp32 weight, grad, exp_avg, exp_avg_sq) = {gib(account.lora.bytes)} GiB"
+        )
+    lines.append("  state: " + ", ".join(f"{label} {gib(n)} GiB" for label, n in account.state.items()))
+    for graph_name, graph in (("replay (estimate)", account.replay), ("capture chunk (estimate)", account.capture)):
+        terms = ", ".join(
+            f"{field.name} {gib(getattr(graph, field.name))}"
+            for field in dataclasses.fields(graph)
+            if field.name != "tokens" and getattr(graph, field.name)
+        )
+        lines.append(f"  {graph_name}, {graph.tokens:,} tokens: {gib(graph.bytes)} GiB = {terms}")
+    lines.append(f"  group scalars (G x R fp32 x 8): {account.group_scalars / 2**20:.2f} MiB")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-tokens", type=int, default=2_097_152)
+    parser.add_argument("--completion-tokens", type=int, default=4096)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--breakdown", action="store_true", help="also print every term of every row")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")  # transformers' deprecations and PEFT's notes on the MoE conversion
+    p, r, g = args.prompt_tokens, args.completion_tokens, args.group_size
+    print(
+        f"P = {p:,} prompt positions, G = {g}, R = {r:,} completion tokens, detach mode, bf16 compute. GiB. Weights, "
+        "LoRA + AdamW and state: computed byte counts. Working set: ESTIMATE (the larger of one replay's graph and "
+        "one capture chunk's transients, plain-torch attention tiles). Not measured.\n"
+    )
+    print(
+        "| model | setup | weights | LoRA + AdamW | prompt state | working set (est.) | of which DSA indexer "
+        f"(est.) | device total | host | one H200 ({H200_USABLE_GIB} GiB) |"
+    )
+    print("| --- | --- | ---: | ---: | --- | --- | ---: | ---: | ---: | --- |")
+    accounts = []
+    for stem, label, setup in rows(p, r, g):
+        path = ARCHITECTURES / f"{stem}.json"
+        account = update_account(load_config(str(path)), setup)
+        accounts.append((f"`{path.name}`", label, account))
+        print(table_row(f"`{path.name}`", label, account))
+    for name, label, account in accounts:
+        indexer = account.working_set.indexer
+        if indexer:
+            without = account.device_bytes - indexer
+            print(
+                f"\n{name} ({label}): the working set is transformers' DSA indexer scoring every token of a chunk "
+                f"against all P keys at once ({gib(indexer)} GiB, not chunked). Without that term the device side is "
+                f"{gib(without)} GiB: >= {math.ceil(without / GIB / H200_USABLE_GIB)} H200s of memory (the weights split "
+                "over them with device_map), the state in host memory."
+            )
+    if args.breakdown:
+        print()
+        for name, label, account in accounts:
+            print(breakdown(name, label, account) + "\n")
+
+
+if __name__ == "__main__":
+    main()
