@@ -143,3 +143,27 @@ def test_a_layer_that_bypasses_the_prompt_state_is_refused_after_capture():
     attention.forward = lambda hidden_states, *args, **kwargs: (torch.zeros_like(hidden_states), None)
     with pytest.raises(UnpreparedModelError, match="no prompt state for layer 1 attention"):
         LongStrawEngine(8, 8).capture(model, case()[0], first_position=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "deepseek_v3", "glm_moe_dsa"])
+def test_activation_checkpointing_replays_from_the_prompt_state(family):
+    """Checkpointed decoder layers drop their cache unless told it is read-only: the replay must still read the
+    prompt's recurrent states and MLA latents, forward and in the backward's recompute."""
+    prompt, completions, lengths = case()
+    results = []
+    for checkpointing in (False, True):
+        model = prepared(build_model(family, seed=0))
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        engine = LongStrawEngine(8, 4)
+        state = engine.capture(model, prompt, 0)
+        logps, _ = engine.replay(model, state, prompt[-1:], completions[0], int(lengths[0]))
+        logps.sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((logps.detach(), grads))
+    (plain_logps, plain_grads), (checkpointed_logps, checkpointed_grads) = results
+    assert torch.allclose(checkpointed_logps, plain_logps, atol=1e-6)
+    assert plain_grads.keys() == checkpointed_grads.keys()
+    for name, grad in plain_grads.items():
+        assert torch.allclose(checkpointed_grads[name], grad, atol=1e-6, rtol=1e-5), name

@@ -102,6 +102,25 @@ def no_layer_checkpointing(model: nn.Module) -> Iterator[None]:
             module.gradient_checkpointing = True
 
 
+@contextlib.contextmanager
+def checkpointed_layers_keep_the_state(model: nn.Module) -> Iterator[None]:
+    """Let checkpointed decoder layers keep the `cache=` of a replay (transformers' `_can_checkpoint_with_cache`).
+
+    Under activation checkpointing transformers drops a layer's cache, since a writer would be updated twice by the
+    backward's recompute; a replay's `StateAccess` only reads (continuations are out of place), so the recompute
+    reads the same prompt state. Without this, recurrent layers would replay from an empty state and MLA layers
+    would find no latent (the attention kwarg carries the state past the checkpoint, the cache does not).
+    """
+    layers = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True  # instance attribute: the class keeps transformers' default
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache
+
+
 @dataclass
 class LongStrawEngine:
     """Capture, score, replay and (exact mode) prompt backward for one causal LM with TRL's fused LM head.
@@ -183,14 +202,15 @@ class LongStrawEngine:
         access = StateAccess(
             state, "read", positions, self.attention_chunk_size, state.num_tokens, batch_size=len(completions)
         )
-        outputs = model(
-            input_ids=inputs,
-            position_ids=positions[None],
-            shift_labels=labels,
-            fused_lm_head=True,
-            cache=access,
-            **{STATE_KWARG: access},
-        )
+        with checkpointed_layers_keep_the_state(model):
+            outputs = model(
+                input_ids=inputs,
+                position_ids=positions[None],
+                shift_labels=labels,
+                fused_lm_head=True,
+                cache=access,
+                **{STATE_KWARG: access},
+            )
         entropies = None if outputs.entropy is None else outputs.entropy[:, :width]
         return outputs.log_probs[:, :width], entropies
 
