@@ -2,18 +2,30 @@
 
     .venv/bin/python benchmarks/update_accounting.py                      # the README rows (2,097,152 positions)
     .venv/bin/python benchmarks/update_accounting.py --completion-tokens 2048 --breakdown
+    .venv/bin/python benchmarks/update_accounting.py --context-parallel 8          # the same rows, per CP rank
+    .venv/bin/python benchmarks/update_accounting.py \
+        --recipe configs/qwen3_6_27b_qlora_cp8.yaml@2097152 --recipe configs/qwen3_8b_lora_cp2.yaml@32768
 
 Each row is `trl_longstraw.accounting.update_account` on a file of `configs/architectures/` (meta-device skeleton, no
 weights): weights (bf16, or NF4 as bitsandbytes stores it), LoRA adapters with their fp32 AdamW state (counted by
 PEFT on the skeleton), the prompt state by dtype and placement, and the ESTIMATED working set, the larger of one
 replay's autograd graph and one capture chunk's transients. Weights, LoRA and state are byte counts (checked against
 real allocations in tests/test_accounting.py); the working set is an estimate. Nothing here is measured on a GPU.
+
+Per context-parallel rank (`--context-parallel N`, or `--recipe PATH@P`, which reads the model, LoRA, chunk sizes,
+completion length, G and `context_parallel_size` from a recipe YAML at P prompt positions): what CP shards by
+sequence (full-attention K/V pages, MLA latent pages) is counted for the largest shard of the captured tokens
+(`context_parallel.shard_bounds`), what it replicates (GatedDeltaNet / Mamba2 conv and recurrent states, fixed size)
+in full on every rank; every rank holds the whole model and the adapters with their optimizer state, and its working
+set is one process's (every rank replays each member through every layer; a serving rank holds one chunk of another
+rank's queries). Layer kinds CP refuses (sliding-window / chunked attention, DSA indexer keys) mark a row refused.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 import warnings
@@ -24,7 +36,8 @@ sys.path.insert(0, str(HERE))
 
 from state_accounting import GIB, load_config
 
-from trl_longstraw.accounting import UpdateAccount, UpdateSetup, update_account
+from trl_longstraw.accounting import UpdateAccount, UpdateSetup, prompt_state_bytes, update_account
+from trl_longstraw.context_parallel import shard_bounds
 
 ARCHITECTURES = HERE.parent / "configs" / "architectures"
 H200_USABLE_GIB = 131  # 141 GB of HBM3e, about 131 GiB usable by CUDA
@@ -132,15 +145,168 @@ def breakdown(name: str, label: str, account: UpdateAccount) -> str:
     return "\n".join(lines)
 
 
+# State labels (`LayerState.account`) context parallelism shards by sequence, and those it refuses; every other
+# label (gated_deltanet, mamba2: fixed-size recurrent states) is replicated on every rank.
+SHARDED_UNDER_CP = ("full_attention", "mla_latent")
+REFUSED_UNDER_CP = ("sliding_attention", "chunked_attention", "dsa_indexer_keys")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankAccount:
+    """One context-parallel rank's share of an update: `account` is the whole update on one device (its weights,
+    LoRA, working set and group scalars are every rank's); `sharded` and `replicated` are this rank's state bytes."""
+
+    account: UpdateAccount
+    context_parallel: int
+    sharded: int
+    replicated: int
+    refused: tuple[str, ...]
+
+    @property
+    def state_bytes(self) -> int:
+        return self.sharded + self.replicated
+
+    @property
+    def device_bytes(self) -> int:
+        """The whole update's device bytes with the whole prompt state replaced by this rank's share."""
+        if not self.on_device:
+            return self.account.device_bytes
+        return self.account.device_bytes - self.account.state_bytes + self.state_bytes
+
+    @property
+    def on_device(self) -> bool:
+        return self.account.setup.state_device == "device"
+
+    @property
+    def host_bytes(self) -> int:
+        return 0 if self.on_device else self.state_bytes
+
+
+def rank_account(config, account: UpdateAccount, context_parallel: int) -> RankAccount:
+    """The largest rank's share of `account`'s prompt state under `context_parallel` ranks (module docstring)."""
+    setup = account.setup
+    captured = setup.prompt_tokens - 1  # all but the last prompt token are captured
+    shard = max(end - start for start, end in shard_bounds(captured, context_parallel))
+    per_shard = prompt_state_bytes(config, shard, setup.dtype_bytes, setup.state_dtype)
+    sharded = sum(n for label, n in per_shard.items() if label in SHARDED_UNDER_CP)
+    replicated = sum(n for label, n in account.state.items() if label not in SHARDED_UNDER_CP)
+    refused = tuple(label for label in account.state if label in REFUSED_UNDER_CP) if context_parallel > 1 else ()
+    return RankAccount(account, context_parallel, sharded, replicated, refused)
+
+
+def recipe_setup(path: Path, prompt_tokens: int) -> tuple[str, str, UpdateSetup, int]:
+    """(architecture file stem, label, setup, context_parallel_size) from a TrlParser recipe YAML (read as YAML,
+    defaults as LongStrawGRPOConfig / ModelConfig have them). The architecture file is the one whose `_source` is the
+    recipe's `model_name_or_path`."""
+    import yaml
+
+    recipe = yaml.safe_load(path.read_text())
+    model = recipe["model_name_or_path"]
+    stems = [
+        config.stem
+        for config in sorted(ARCHITECTURES.glob("*.json"))
+        if json.loads(config.read_text()).get("_source") == model
+    ]
+    if not stems:
+        raise SystemExit(f"{path}: no file in {ARCHITECTURES} has _source {model!r}")
+    if recipe.get("prompt_gradient", "detach") != "detach":
+        raise SystemExit(f"{path}: the update account is detach mode only (prompt_gradient: detach)")
+    quantized = recipe.get("load_in_4bit", False) and recipe.get("bnb_4bit_quant_type", "nf4") == "nf4"
+    targets = recipe.get("lora_target_modules")
+    checkpointing = recipe.get("activation_checkpointing", recipe.get("gradient_checkpointing")) or False
+    setup = UpdateSetup(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=recipe.get("max_completion_length", 256),
+        group_size=recipe.get("num_generations", 8),
+        quantization="nf4" if quantized else "none",
+        double_quant=recipe.get("use_bnb_nested_quant", False),
+        lora_rank=recipe.get("lora_r", 16) if recipe.get("use_peft", False) else None,
+        lora_targets=tuple(targets) if targets else "all-linear",
+        state_dtype=recipe.get("prompt_state_dtype", "auto"),
+        state_device="cpu" if recipe.get("prompt_state_device") == "cpu" else "device",
+        activation_checkpointing=checkpointing,
+        prefill_chunk_size=recipe.get("prefill_chunk_size", 2048),
+        attention_chunk_size=recipe.get("attention_chunk_size", 4096),
+    )
+    weights = "NF4 QLoRA" if quantized else "bf16 LoRA"
+    label = f"`{path.name}`: {weights} r{setup.lora_rank}, {'checkpointing' if checkpointing else 'no checkpointing'}"
+    return stems[0], label, setup, recipe.get("context_parallel_size") or 1
+
+
+def rank_row(name: str, label: str, rank: RankAccount) -> str:
+    account, cp = rank.account, rank.context_parallel
+    setup = account.setup
+    lora = account.lora.bytes if account.lora else 0
+    work = account.working_set
+    which = "replay" if work is account.replay else "capture chunk"
+    where = "" if rank.on_device else ", host"
+    if rank.refused:
+        fits = f"refused under CP ({', '.join(rank.refused)})"
+    else:
+        device = rank.device_bytes / GIB
+        fits = f"fits ({H200_USABLE_GIB - device:,.1f} GiB spare)" if device <= H200_USABLE_GIB else "does not fit"
+    return (
+        f"| {name} | {label} | {cp} | {setup.prompt_tokens:,} | {gib(account.weights.bytes)} | {gib(lora)} | "
+        f"{gib(account.state_bytes)} | {gib(rank.sharded)}{where} | {gib(rank.replicated)}{where} | "
+        f"{gib(work.bytes)} ({which}) | **{gib(rank.device_bytes)}** | {fits} |"
+    )
+
+
+def print_rank_table(entries: list[tuple[str, str, UpdateSetup, int]]) -> None:
+    print(
+        "Per context-parallel rank, detach mode, bf16 compute, GiB. Weights, LoRA + AdamW and state: computed byte "
+        "counts (every rank holds the whole model and adapters; sharded state: the largest rank's 1/cp share of the "
+        "K/V / MLA pages; replicated: the fixed-size recurrent states, whole on every rank). Working set: ESTIMATE, "
+        "the same on every rank as in one process. Not measured.\n"
+    )
+    print(
+        "| model | setup | cp | P | weights | LoRA + AdamW | prompt state (whole) | per rank: sharded state | "
+        f"per rank: replicated state | working set (est.) | per-rank device total | one H200 ({H200_USABLE_GIB} GiB) |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |")
+    for stem, label, setup, cp in entries:
+        path = ARCHITECTURES / f"{stem}.json"
+        config = load_config(str(path))
+        account = update_account(config, setup)
+        print(rank_row(f"`{path.name}`", label, rank_account(config, account, cp)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-tokens", type=int, default=2_097_152)
     parser.add_argument("--completion-tokens", type=int, default=4096)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--breakdown", action="store_true", help="also print every term of every row")
+    parser.add_argument(
+        "--context-parallel",
+        type=int,
+        default=None,
+        metavar="N",
+        help="per-rank memory with the prompt sharded over N context-parallel ranks (with --recipe: overrides the "
+        "recipe's context_parallel_size)",
+    )
+    parser.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        metavar="PATH[@P]",
+        help="a recipe YAML (model, LoRA, chunks, R, G, context_parallel_size read from it) at P prompt positions "
+        "(default --prompt-tokens): per-rank rows; repeatable",
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")  # transformers' deprecations and PEFT's notes on the MoE conversion
     p, r, g = args.prompt_tokens, args.completion_tokens, args.group_size
+    if args.recipe:
+        entries = []
+        for spec in args.recipe:
+            path, _, tokens = spec.partition("@")
+            stem, label, setup, cp = recipe_setup(Path(path), int(tokens) if tokens else p)
+            entries.append((stem, label, setup, args.context_parallel or cp))
+        print_rank_table(entries)
+        return
+    if args.context_parallel:
+        print_rank_table([(stem, label, setup, args.context_parallel) for stem, label, setup in rows(p, r, g)])
+        return
     print(
         f"P = {p:,} prompt positions, G = {g}, R = {r:,} completion tokens, detach mode, bf16 compute. GiB. Weights, "
         "LoRA + AdamW and state: computed byte counts. Working set: ESTIMATE (the larger of one replay's graph and "

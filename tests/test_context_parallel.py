@@ -155,3 +155,77 @@ def test_the_ranks_of_a_context_parallel_group_draw_the_rows_of_one_data_paralle
     data_parallel = dealt(list(sampler(2)), 2)
     context_parallel = dealt(sharded, 4)
     assert context_parallel == [data_parallel[0], data_parallel[0], data_parallel[1], data_parallel[1]]
+
+
+def test_collectives_pick_the_backend_device_once_and_keep_the_tensors_where_they_are(tmp_path, monkeypatch):
+    """gloo: CPU communication tensors; NCCL (only the rule is checked here, no GPU): CUDA's current device. A tensor
+    the backend cannot take as it is (here: not contiguous) goes through a copy and comes back in place."""
+    import torch.distributed as dist
+
+    from trl_longstraw import context_parallel
+    from trl_longstraw.context_parallel import ContextParallelGroup
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        cp = ContextParallelGroup.of()
+        assert cp.device == torch.device("cpu")
+        strided = torch.arange(6.0).view(2, 3).t()
+        assert cp.all_reduce(strided, op=dist.ReduceOp.MAX) is strided
+        assert strided.tolist() == torch.arange(6.0).view(2, 3).t().tolist()
+        assert cp.broadcast(strided, 0) is strided
+    finally:
+        dist.destroy_process_group()
+    for backend in ("nccl", "cpu:gloo,cuda:nccl"):
+        monkeypatch.setattr(context_parallel.dist, "get_backend", lambda group=None, backend=backend: backend)
+        monkeypatch.setattr(context_parallel.torch.cuda, "current_device", lambda: 3)
+        assert context_parallel.communication_device() == torch.device("cuda", 3)
+
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+RECIPE_CONFIGS = [  # (recipe YAML, accelerate config, context_parallel_size)
+    ("qwen3_6_27b_qlora_cp8.yaml", "cp8_8gpu.yaml", 8),
+    ("qwen3_8b_lora_cp2.yaml", "cp2_2gpu.yaml", 2),
+]
+
+
+@pytest.mark.parametrize(("recipe", "launcher", "size"), RECIPE_CONFIGS, ids=[c[0] for c in RECIPE_CONFIGS])
+def test_context_parallel_recipes_parse_with_the_recipe_parser(recipe, launcher, size, monkeypatch):
+    """Every key of the CP recipes is a field of the recipe's parser (a renamed field fails here), the config object
+    constructs, and the accelerate config launches a multiple of the CP size as plain multi-GPU processes. Without
+    a GPU, TrainingArguments refuses bf16, so the parse adds `--bf16 false` (as the YAMLs' comments say)."""
+    import yaml
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DistributedType
+    from trl import ModelConfig, TrlParser
+
+    from trl_longstraw import LongStrawGRPOConfig
+
+    monkeypatch.syspath_prepend(os.path.join(CONFIGS, os.pardir, "recipes"))
+    from grpo_longstraw import LongStrawScriptArguments
+
+    parser = TrlParser((LongStrawScriptArguments, LongStrawGRPOConfig, ModelConfig))
+    overrides = [] if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else ["--bf16", "false"]
+    script, training, model = parser.parse_args_and_config(["--config", os.path.join(CONFIGS, recipe), *overrides])
+    assert training.context_parallel_size == size and script.dataset_name != "embedded:needle"
+    assert training.per_device_train_batch_size * training.steps_per_generation % training.num_generations == 0
+    assert training.prompt_gradient == "detach" and model.lora_dropout == 0.0
+    if size == 8:  # the paper's setup: the same model as configs/qwen3_6_27b_qlora.yaml, NF4 QLoRA, G = 8
+        with open(os.path.join(CONFIGS, "qwen3_6_27b_qlora.yaml")) as single:
+            assert model.model_name_or_path == yaml.safe_load(single)["model_name_or_path"]
+        assert model.load_in_4bit and model.bnb_4bit_quant_type == "nf4" and training.num_generations == 8
+    accelerate = load_config_from_file(os.path.join(CONFIGS, "accelerate", launcher))
+    assert accelerate.distributed_type == DistributedType.MULTI_GPU
+    assert accelerate.num_processes % size == 0 and not accelerate.parallelism_config
+
+
+def test_context_parallelism_refuses_vllm_whose_rows_differ_per_rank():
+    from trl_longstraw import LongStrawGRPOConfig
+
+    with pytest.raises(ValueError, match="context_parallel_size=2 with use_vllm=True"):
+        LongStrawGRPOConfig(
+            output_dir="unused",
+            context_parallel_size=2,
+            use_vllm=True,
+            num_generations=2,
+            per_device_train_batch_size=2,
+        )

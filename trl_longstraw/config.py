@@ -13,8 +13,9 @@ PROMPT_STATE_DTYPES = ("auto", "float8_e4m3fn")
 
 
 def accelerate_context_parallel_size(parallelism_config) -> int | None:
-    """The cp size a user gave Accelerate (`parallelism_config`, or `accelerate launch
-    --parallelism_config_cp_size`, which reaches the process as environment variables), or None if none was given."""
+    """The cp size a user gave Accelerate (`parallelism_config`, or an accelerate config file whose
+    `parallelism_config` section reaches the process as `PARALLELISM_CONFIG_*` environment variables), or None if
+    none was given. (`accelerate launch --parallelism_config_cp_size N` alone exports nothing with accelerate 1.15.)"""
     if parallelism_config is not None:
         return parallelism_config.cp_size if parallelism_config.cp_size and parallelism_config.cp_size > 1 else None
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
@@ -49,8 +50,8 @@ class LongStrawGRPOConfig(GRPOConfig):
         context_parallel_size (`int`, *optional*):
             Ranks that share one prompt, each keeping a contiguous shard of its state (see the README's "Context
             parallelism"). The world must be a multiple of it: `world = data parallel x context parallel`. Unset: the
-            `cp_size` of Accelerate's `parallelism_config` (or `accelerate launch --parallelism_config_cp_size`), else
-            1. Set both and they must agree.
+            `cp_size` of Accelerate's `parallelism_config` (in the training args, or in an accelerate config file's
+            `parallelism_config` section), else 1. Set both and they must agree.
 
         > Parameters that control the LongStraw metrics
 
@@ -210,7 +211,7 @@ class LongStrawGRPOConfig(GRPOConfig):
             self.parallelism_config.cp_handler = None
             if self.parallelism_config.total_size == 1:  # nothing else configured (and Accelerate refuses it on CPU)
                 self.parallelism_config = None
-        else:  # `accelerate launch --parallelism_config_cp_size`: the Accelerator would build its CP from these
+        else:  # an accelerate config file's parallelism_config section: the Accelerator would build its CP from these
             os.environ["PARALLELISM_CONFIG_CP_SIZE"] = "1"
 
     def _validate_longstraw_fields(self) -> None:
@@ -247,6 +248,13 @@ class LongStrawGRPOConfig(GRPOConfig):
                 f"rollout_from_prompt_state=True with {engine}=True: completions come from one generator. Set "
                 f"rollout_from_prompt_state=None (the default: {engine} generates, the capture serves scoring and the "
                 f"update) or {engine}=False."
+            )
+        if self.use_vllm and self.context_parallel_size > 1:
+            raise ValueError(
+                f"context_parallel_size={self.context_parallel_size} with use_vllm=True: TRL hands every process its "
+                "own slice of vLLM's completions, so the ranks of a context-parallel group would train on different "
+                "rows of one sharded prompt. Set use_vllm=False (each rank group generates with its first rank's "
+                "rows) or context_parallel_size=1."
             )
         if self.deepspeed or self.fsdp:
             raise ValueError(

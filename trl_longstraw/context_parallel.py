@@ -39,8 +39,11 @@ backward `heads * d + kv_heads * (d + dv)` (dq and the own keys' and values' gra
 `COMMUNICATION` counts what actually went through the collectives (benchmarks/context_parallel.py checks one against
 the other).
 
-Collectives run on CPU tensors (gloo), as the tests and benchmarks do; NCCL would need the announcements' receive
-buffers on the device.
+Backends: every collective goes through `ContextParallelGroup`, which picks, once per group, the device its
+communication tensors live on (`communication_device`: CUDA's current device for NCCL, the CPU for gloo and any other
+backend) and moves a tensor there and back only where it is not there already. The math stays on the compute device;
+with NCCL and the model on CUDA nothing is copied, with gloo and the model on CPU nothing is either. Verified on gloo
+(CPU) only: the NCCL path is written for, not tested (no GPU in this project's CI).
 """
 
 from __future__ import annotations
@@ -81,44 +84,70 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # and merged output kept until the call's backward), the backward of a recompute attention call.
 _END_OF_SHARD, _CAPTURE, _RECOMPUTE, _BACKWARD = range(4)
 _ANNOUNCEMENT = 13
+_CPU = torch.device("cpu")
+
+
+def communication_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where the tensors of `group`'s collectives must live: NCCL takes CUDA tensors on this process's current
+    device; gloo (and any other backend) CPU tensors. A process group that carries both (`"cpu:gloo,cuda:nccl"`)
+    gets CUDA, where the model's tensors already are."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return _CPU
 
 
 @dataclass(frozen=True)
 class ContextParallelGroup:
-    """The ranks that share one prompt: `group` (None: the default group), this rank's index in it, its size."""
+    """The ranks that share one prompt: `group` (None: the default group), this rank's index in it, its size, and the
+    device its communication tensors live on (`communication_device`, picked once by `of`).
+
+    Every collective of context parallelism goes through these methods, which take and return tensors on any device:
+    a tensor not on `device` is copied there for the collective (and the result copied back in place); the math that
+    produced it stays on the compute device."""
 
     group: dist.ProcessGroup | None
     rank: int
     size: int
+    device: torch.device = _CPU
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None = None) -> ContextParallelGroup:
-        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), communication_device(group))
+
+    def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` itself if the backend can send it (on `device`, contiguous), else a copy that it can."""
+        return tensor.to(self.device).contiguous()
+
+    def _in_place(self, collective, tensor: torch.Tensor) -> torch.Tensor:
+        wire = self._wire(tensor)
+        collective(wire)
+        if wire is not tensor:
+            tensor.copy_(wire)
+        return tensor
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
         COMMUNICATION[kind] += tensor.numel()
-        dist.all_reduce(tensor, op=op, group=self.group)
-        return tensor
+        return self._in_place(lambda wire: dist.all_reduce(wire, op=op, group=self.group), tensor)
 
     def broadcast(self, tensor: torch.Tensor, source: int, kind: str = "broadcast") -> torch.Tensor:
         COMMUNICATION[kind] += tensor.numel()
-        dist.broadcast(tensor, group=self.group, group_src=source)
-        return tensor
+        return self._in_place(lambda wire: dist.broadcast(wire, group=self.group, group_src=source), tensor)
 
     def send(self, tensor: torch.Tensor, destination: int) -> None:
         """A tensor of any shape and dtype to `destination` (header first: the receiver allocates from it)."""
         header = torch.zeros(8, dtype=torch.int64)
         header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
         header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-        dist.send(header, group=self.group, group_dst=destination)
+        dist.send(self._wire(header), group=self.group, group_dst=destination)
         COMMUNICATION["send"] += tensor.numel()
-        dist.send(tensor.detach().contiguous().cpu(), group=self.group, group_dst=destination)
+        dist.send(self._wire(tensor.detach()), group=self.group, group_dst=destination)
 
     def receive(self, source: int) -> torch.Tensor:
-        header = torch.empty(8, dtype=torch.int64)
+        """The tensor `send` sent, on `device` (the caller moves it where it is kept)."""
+        header = torch.empty(8, dtype=torch.int64, device=self.device)
         dist.recv(header, group=self.group, group_src=source)
-        dims = int(header[0])
-        tensor = torch.empty(tuple(header[2 : 2 + dims].tolist()), dtype=_DTYPES[int(header[1])])
+        dims, dtype, *shape = header.tolist()
+        tensor = torch.empty(tuple(shape[:dims]), dtype=_DTYPES[dtype], device=self.device)
         dist.recv(tensor, group=self.group, group_src=source)
         return tensor
 
@@ -587,18 +616,20 @@ class ShardedPromptState(PromptState):
                 sinks is not None,
             ],
             dtype=torch.float64,
+            device=self.cp.device,
         )
         self.cp.broadcast(announcement, self.cp.rank, kind="capture")
         self.cp.broadcast(query.detach().contiguous(), self.cp.rank, kind="capture")
 
     def announce_backward(self, layer_idx: int, d_out: torch.Tensor) -> None:
-        announcement = torch.zeros(_ANNOUNCEMENT, dtype=torch.float64)
+        announcement = torch.zeros(_ANNOUNCEMENT, dtype=torch.float64, device=self.cp.device)
         announcement[0], announcement[1] = _BACKWARD, layer_idx
         self.cp.broadcast(announcement, self.cp.rank, kind="recompute")
         self.cp.broadcast(d_out, self.cp.rank, kind="recompute")
 
     def end_of_shard(self) -> None:
-        self.cp.broadcast(torch.zeros(_ANNOUNCEMENT, dtype=torch.float64), self.cp.rank, kind="capture")
+        end = torch.zeros(_ANNOUNCEMENT, dtype=torch.float64, device=self.cp.device)
+        self.cp.broadcast(end, self.cp.rank, kind="capture")
 
     def serve(self, owner: int, chunk_size: int, device: torch.device) -> None:
         """Run the other side of `owner`'s capture (or recompute) until it announces the end of its shard. A serving
@@ -606,7 +637,7 @@ class ShardedPromptState(PromptState):
         by_layer = {view.layer.layer_idx: view for view in self._views.values()}
         kept: dict[int, _Served] = {}
         while True:
-            announcement = torch.zeros(_ANNOUNCEMENT, dtype=torch.float64)
+            announcement = torch.zeros(_ANNOUNCEMENT, dtype=torch.float64, device=self.cp.device)
             phase, layer_idx, *rest = self.cp.broadcast(announcement, owner, kind="capture").tolist()
             phase, layer_idx = int(phase), int(layer_idx)
             if phase == _END_OF_SHARD:
@@ -618,8 +649,10 @@ class ShardedPromptState(PromptState):
                 view.serve_backward(served, d_out, owner, chunk_size)
                 continue
             batch, heads, tokens, dim, value_dim, first, scaling, window, softcap, dtype, has_sinks = rest
-            query = torch.empty((int(batch), int(heads), int(tokens), int(dim)), dtype=_DTYPES[int(dtype)])
-            query = self.cp.broadcast(query, owner, kind="capture").to(device)
+            query = torch.empty(
+                (int(batch), int(heads), int(tokens), int(dim)), dtype=_DTYPES[int(dtype)], device=device
+            )
+            query = self.cp.broadcast(query, owner, kind="capture")
             positions = torch.arange(int(first), int(first) + int(tokens), device=device)
             window = None if window < 0 else int(window)
             served = _Served(query, positions, None, None, scaling, window, softcap or None, has_sinks, int(value_dim))
