@@ -37,8 +37,10 @@ class LongStrawGRPOConfig(GRPOConfig):
             `"detach"` treats the captured prompt state as a constant (the paper's capacity mode); `"exact"` also
             pushes the gradient of the prompt state into the parameters, giving the same gradient as stock
             `GRPOTrainer`, at the cost of one prompt forward+backward per group and micro-step.
-        prefill_chunk_size (`int`, *optional*, defaults to `2048`):
-            Prompt tokens per no-grad capture forward (and per exact-mode recompute chunk).
+        prefill_chunk_size (`int`, *optional*, defaults to `1024`):
+            Prompt tokens per no-grad capture forward (and per exact-mode recompute chunk). The default is measured
+            (README, "Chunk sizes"): at P = 8K on CPU, 1024 against 2048 lowers the exact-mode peak from 0.45 to 0.27
+            GiB and detach's from 0.092 to 0.081 GiB at the same step time. Keep it at most `attention_chunk_size`.
         attention_chunk_size (`int`, *optional*, defaults to `4096`):
             Prompt keys per step of the prefix attention.
         prompt_state_device (`str`, *optional*, defaults to `"auto"`):
@@ -78,7 +80,7 @@ class LongStrawGRPOConfig(GRPOConfig):
         },
     )
     prefill_chunk_size: int = field(
-        default=2048,
+        default=1024,
         metadata={
             "help": "Prompt tokens per no-grad capture forward. Bounds the activations of the capture (and of the "
             "exact-mode prompt recompute) to one chunk."
