@@ -122,7 +122,7 @@ def compare(family: str, small_chars: int, demo_chars: int, group_size: int, com
     def gib(value: float) -> str:
         return f"{value / GIB:.3f} GiB"
 
-    width = 50
+    width = 64
     header = (
         f"Peak memory one GRPO step adds over the loaded model (G = {group_size}, {completion_length} completion "
         f"tokens, {family}, fp32; fresh process each; recipes/compare_with_stock.py):"
