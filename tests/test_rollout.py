@@ -177,3 +177,33 @@ def test_rollout_and_vllm_are_one_generator_too_many():
 
     with pytest.raises(ValueError, match="rollout_from_prompt_state=True with use_vllm=True"):
         LongStrawGRPOConfig(output_dir="unused", use_vllm=True, rollout_from_prompt_state=True)
+
+
+@pytest.mark.parametrize("setting", ["host_state", "fp8_pages"])
+def test_decoding_reads_host_resident_and_fp8_prompt_states(setting):
+    """The rollout reads the state through the same placement and dequantisation as scoring: host-resident state
+    decodes exactly as device state; fp8 pages decode within their quantisation error (compared while both decoded
+    the same tokens: a greedy flip changes every later input)."""
+    model = build_model("qwen3", seed=0).float()
+    prompts = random_prompts(model, [150], seed=3)
+    prepare_model(model)
+    padded, _ = left_padded(prompts, 2)
+    settings = {"state_device": torch.device("cpu")}
+    if setting == "fp8_pages":
+        settings = {"prompt_state_dtype": "float8_e4m3fn"}
+    runs = {}
+    for name, engine in (("plain", LongStrawEngine(64, 64)), (setting, LongStrawEngine(64, 64, **settings))):
+        state = engine.capture(model, prompts[0], 0)
+        steps = []
+        sampling = prepare_sampling(model, generation_config(), padded)
+        tokens = decode(engine, model, [PromptRows([0, 1], prompts[0], state)], padded, sampling, steps)
+        runs[name] = (tokens, torch.stack(steps))
+    (tokens, logits), (plain_tokens, plain_logits) = runs[setting], runs["plain"]
+    if setting == "host_state":
+        assert torch.equal(tokens, plain_tokens) and torch.equal(logits, plain_logits)
+        return
+    width = min(tokens.shape[1], plain_tokens.shape[1])
+    differs = (tokens[:, :width] != plain_tokens[:, :width]).any(dim=0).nonzero()
+    same_inputs = int(differs[0]) + 1 if len(differs) else width  # logits of step k read tokens < k
+    error = float((logits[:same_inputs] - plain_logits[:same_inputs]).abs().max())
+    assert same_inputs >= 3 and 0.0 < error < 0.02
