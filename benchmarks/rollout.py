@@ -84,7 +84,7 @@ def worker(args) -> dict:
         else:
             state = engine.capture(model, prompt, 0)
             capture_s = time.perf_counter() - start
-            sampling = prepare_sampling(model, generation, rows)
+            sampling = prepare_sampling(model, generation, rows, torch.ones_like(rows))
             tokens = decode(engine, model, [PromptRows(list(range(args.group_size)), prompt, state)], rows, sampling)
     seconds = time.perf_counter() - start
     peak = status_bytes("VmHWM") - baseline

@@ -22,10 +22,12 @@ def generation_config(**settings) -> GenerationConfig:
     return GenerationConfig(**fields)
 
 
-def left_padded(prompts: list[torch.Tensor], rows_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_padded(
+    prompts: list[torch.Tensor], rows_per_prompt: int, pad: int = PAD
+) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     rows = [p for p in prompts for _ in range(rows_per_prompt)]
-    ids = torch.stack([torch.cat([torch.full((width - len(p),), PAD), p]) for p in rows])
+    ids = torch.stack([torch.cat([torch.full((width - len(p),), pad), p]) for p in rows])
     mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]).long() for p in rows])
     return ids, mask
 
@@ -34,17 +36,17 @@ def rollout(model, prompts, rows_per_prompt, config, step_logits=None, chunk=8):
     """Capture each prompt once and decode its rows from the state, as the trainer does."""
     prepare_model(model)
     engine = LongStrawEngine(prefill_chunk_size=chunk, attention_chunk_size=chunk)
-    padded, _ = left_padded(prompts, rows_per_prompt)
+    padded, mask = left_padded(prompts, rows_per_prompt, config.pad_token_id)
     groups = [
         PromptRows(list(range(i * rows_per_prompt, (i + 1) * rows_per_prompt)), p, engine.capture(model, p, 0))
         for i, p in enumerate(prompts)
     ]
-    sampling = prepare_sampling(model, config, padded)
+    sampling = prepare_sampling(model, config, padded, mask)
     return decode(engine, model, groups, padded, sampling, step_logits), groups
 
 
 def generate(model, prompts, rows_per_prompt, config):
-    ids, mask = left_padded(prompts, rows_per_prompt)
+    ids, mask = left_padded(prompts, rows_per_prompt, config.pad_token_id)
     out = model.generate(
         input_ids=ids, attention_mask=mask, generation_config=config, output_logits=True, return_dict_in_generate=True
     )
@@ -85,6 +87,20 @@ def test_seeded_sampling_draws_what_generate_draws_across_padded_prompts(family)
     assert len(set(map(tuple, got.tolist()))) > 1  # sampling, not a greedy echo
 
 
+def test_the_repetition_penalty_skips_left_padding_as_generate_does():
+    """Padding with a token the short prompt's row would emit (the pad token is often the EOS token): `generate`
+    does not penalise a row's padding, so neither may the rollout."""
+    model = build_model("qwen3", seed=0).float()
+    prompts = random_prompts(model, [20, 8], seed=1)
+    free, _ = generate(model, prompts, 1, generation_config(eos_token_id=[], repetition_penalty=1.3))
+    pad = int(free[1, 0])  # what the short, left-padded prompt's row emits first
+    assert pad not in prompts[1].tolist()
+    config = generation_config(eos_token_id=[], pad_token_id=pad, repetition_penalty=1.3)
+    want, _ = generate(model, prompts, 1, config)
+    got, _ = rollout(model, prompts, 1, config)
+    assert torch.equal(got, want)
+
+
 def test_rows_stop_at_eos_and_are_padded_after_it_as_generate_does():
     model = build_model("qwen3", seed=0).float()
     prompts = random_prompts(model, [15, 11], seed=2)
@@ -112,7 +128,7 @@ def test_decoding_leaves_the_prompt_state_untouched(family):
         model,
         [PromptRows([0, 1, 2], prompts[0], state)],
         padded,
-        prepare_sampling(model, generation_config(), padded),
+        prepare_sampling(model, generation_config(), padded, torch.ones_like(padded)),
     )
     assert all(torch.equal(a, b) for a, b in zip(before, state.tensors(), strict=True))
 
@@ -195,7 +211,7 @@ def test_decoding_reads_host_resident_and_fp8_prompt_states(setting):
     for name, engine in (("plain", LongStrawEngine(64, 64)), (setting, LongStrawEngine(64, 64, **settings))):
         state = engine.capture(model, prompts[0], 0)
         steps = []
-        sampling = prepare_sampling(model, generation_config(), padded)
+        sampling = prepare_sampling(model, generation_config(), padded, torch.ones_like(padded))
         tokens = decode(engine, model, [PromptRows([0, 1], prompts[0], state)], padded, sampling, steps)
         runs[name] = (tokens, torch.stack(steps))
     (tokens, logits), (plain_tokens, plain_logits) = runs[setting], runs["plain"]

@@ -69,8 +69,13 @@ def check_generation_config(model: nn.Module, generation_config: GenerationConfi
         )
 
 
-def prepare_sampling(model: nn.Module, generation_config: GenerationConfig, padded_prompts: torch.Tensor) -> Sampling:
-    """`generate`'s preparation of `generation_config` for the left-padded `padded_prompts [batch, width]`."""
+def prepare_sampling(
+    model: nn.Module, generation_config: GenerationConfig, padded_prompts: torch.Tensor, prompt_mask: torch.Tensor
+) -> Sampling:
+    """`generate`'s preparation of `generation_config` for the left-padded `padded_prompts [batch, width]`.
+
+    `prompt_mask` (1 on real tokens) reaches the logits processors as `generate`'s attention mask does: the
+    repetition penalty skips each row's left padding (the pad token is often the EOS token)."""
     check_generation_config(model, generation_config)
     has_default_max_length = generation_config.max_length is None and model.generation_config.max_length is None
     has_default_min_length = generation_config.min_length is None and model.generation_config.min_length is None
@@ -92,7 +97,7 @@ def prepare_sampling(model: nn.Module, generation_config: GenerationConfig, padd
         prefix_allowed_tokens_fn=None,
         logits_processor=LogitsProcessorList(),
         device=device,
-        model_kwargs=model_kwargs,
+        model_kwargs={**model_kwargs, "attention_mask": None if bool(prompt_mask.all()) else prompt_mask},
     )
     stopping_criteria = model._get_stopping_criteria(config, stopping_criteria=StoppingCriteriaList(), tokenizer=None)
     pad = config._pad_token_tensor
@@ -127,7 +132,7 @@ def decode(
     stopped), as `generate` returns them after the prompt.
 
     `padded_prompts [batch, width]` is the batch as `generate` would get it (left-padded): the logits processors read
-    it (e.g. the repetition penalty). `step_logits`, if given, receives each step's raw `[batch, vocab]` logits.
+    it (e.g. the repetition penalty, which `prepare_sampling` told where each row's padding ends). `step_logits`, if given, receives each step's raw `[batch, vocab]` logits.
     """
     batch = padded_prompts.shape[0]
     device = padded_prompts.device

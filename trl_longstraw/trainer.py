@@ -55,7 +55,9 @@ class PromptGroup:
     completion_lengths: list[int]  # real completion tokens per row
 
     def same_prompt(self, prompt_ids: torch.Tensor, first_position: int) -> bool:
-        return first_position == self.first_position and torch.equal(prompt_ids, self.prompt_ids)
+        return first_position == self.first_position and torch.equal(
+            prompt_ids.to(self.prompt_ids.device), self.prompt_ids
+        )
 
 
 def group_rows_by_prompt(
@@ -533,16 +535,24 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         """GRPOTrainer's generation, from one capture per distinct prompt (`rollout_from_prompt_state`).
 
         The batch is what `generate` would get (left-padded to `pad_to_multiple_of`); see `trl_longstraw.rollout`. The
-        last prompt's state stays kept: on policy, scoring and the update of its rows read it without a new capture.
+        state of an unpadded prompt stays kept: on policy, scoring and the update of its rows read it without a new
+        capture.
         """
         if not self.rollout_from_prompt_state:
             return super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
             )
         device = self.accelerator.device
+        prompts = [torch.tensor(ids) for ids in prompt_ids]
         padded = pad(
-            [torch.tensor(ids) for ids in prompt_ids],
+            prompts,
             padding_value=self._tokenizer.pad_token_id,
+            padding_side="left",
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        ).to(device)
+        mask = pad(
+            [torch.ones_like(ids) for ids in prompts],
+            padding_value=0,
             padding_side="left",
             pad_to_multiple_of=self.pad_to_multiple_of,
         ).to(device)
@@ -561,18 +571,24 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             torch.no_grad(),
         ):
             causal_lm = self._causal_lm(unwrapped_model)
-            sampling = prepare_sampling(causal_lm, self.generation_config, padded)
-            groups, prompts = [], []
+            sampling = prepare_sampling(causal_lm, self.generation_config, padded, mask)
+            groups, prompt_rows = [], []
             for index, (ids, rows) in enumerate(rows_of.items()):
-                group = PromptGroup(index, rows, torch.tensor(ids), first_position=0, completion_lengths=[])
+                group = PromptGroup(
+                    index, rows, torch.tensor(ids, device=device), first_position=0, completion_lengths=[]
+                )
                 state = self._capture(causal_lm, group, "capture")
                 groups.append(group)
-                prompts.append(PromptRows(rows, group.prompt_ids, state))
+                prompt_rows.append(PromptRows(rows, group.prompt_ids, state))
                 del state
             with self._phase("rollout"), self.accelerator.autocast():
-                completion_ids = decode(self.engine, causal_lm, prompts, padded, sampling)
-            self._kept = _KeptState(groups[-1], prompts[-1].state)
-            del prompts
+                completion_ids = decode(self.engine, causal_lm, prompt_rows, padded, sampling)
+            # Scoring numbers positions as stock's padded forward does: only an unpadded prompt's state (the batch's
+            # widest, without pad_to_multiple_of padding) can serve it; keep that one, or none.
+            reusable = [i for i, group in enumerate(groups) if len(group.prompt_ids) == padded.shape[1]]
+            if reusable:
+                self._kept = _KeptState(groups[reusable[-1]], prompt_rows[reusable[-1]].state)
+            del prompt_rows
         # Everything after a row's first EOS goes, as in GRPOTrainer's transformers path.
         is_eos = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=completion_ids.device))
         first_eos = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), is_eos.shape[1])
