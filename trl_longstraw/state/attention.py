@@ -116,8 +116,9 @@ class AttentionPages(LayerState):
                 )
             )
         # Each batch row has its own suffix keys: one key set per (row, kv head).
-        own_keys = access.own_entries(self, "key", key.reshape(batch * kv_heads, tokens, -1), dim=1)
-        own_values = access.own_entries(self, "value", value.reshape(batch * kv_heads, tokens, -1), dim=1)
+        window = visibility.sliding_window
+        own_keys = access.own_entries(self, "key", key.reshape(batch * kv_heads, tokens, -1), dim=1, window=window)
+        own_values = access.own_entries(self, "value", value.reshape(batch * kv_heads, tokens, -1), 1, window)
         blocks.append((own_keys, own_values, KeyBlock(access.own_positions(own_keys.shape[1]), shared=False)))
         out = attention_over_blocks(
             query,

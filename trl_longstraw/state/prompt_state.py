@@ -168,18 +168,22 @@ class StateAccess(Cache):
         self.recorded: dict[LayerState, object] = {}
         self.cache_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def own_entries(self, owner: LayerState, name: str, values: torch.Tensor, dim: int) -> torch.Tensor:
+    def own_entries(
+        self, owner: LayerState, name: str, values: torch.Tensor, dim: int, window: int | None = None
+    ) -> torch.Tensor:
         """This forward's own entries of `owner` (its tokens along `dim`): as given, or, decoding, the rows' suffix
-        followed by them (one entry set per row, never beside a copy of the prompt's)."""
+        followed by them (one entry set per row, never beside a copy of the prompt's; with a sliding `window`, only
+        the suffix entries the window still reads)."""
         if self.suffix is None:
             return values
-        return self.suffix.extend(owner, name, values, dim)
+        return self.suffix.extend(owner, name, values, dim, window)
 
     def own_positions(self, count: int) -> torch.Tensor:
-        """Absolute positions of the `count` own entries returned by `own_entries`."""
+        """Absolute positions of the `count` own entries returned by `own_entries` (the last ones: they end with this
+        forward's tokens)."""
         if self.suffix is None:
             return self.query_positions
-        return self.suffix.positions(count, self.query_positions.device)
+        return self.suffix.positions(count, self.query_positions.numel(), self.query_positions.device)
 
     # -- attention-like mixers (through the registered attention function) -------------------------------------------
     def attend(self, module, query, key, value, **features) -> torch.Tensor:

@@ -7,9 +7,11 @@ a copy of the prompt's pages: attention reads the prompt's pages as a block shar
 one block per row, merged by log-sum-exp.
 
 Per-token entries are preallocated for the longest possible completion (`capacity`) and written in place, so a
-decode step costs no copy of earlier entries; recurrent states are replaced each step (they are the rows' own).
-Decode memory for a group is therefore one prompt state plus `rows * capacity * (bytes per token of every
-per-token kind)` plus `rows * (fixed bytes of every recurrent kind)`.
+decode step costs no copy of earlier entries; a sliding-window layer keeps only its last `window - 1` entries (a
+window-sized copy per step, as transformers' sliding-window cache layer); recurrent states are replaced each step
+(they are the rows' own). Decode memory for a group is therefore one prompt state plus `rows * capacity * (bytes per
+token of every full-length kind)` plus `rows * (fixed bytes of every windowed and recurrent kind)`: the state
+accounting's `bytes_per_token` and `fixed`.
 """
 
 from __future__ import annotations
@@ -30,19 +32,31 @@ class Suffix:
         self.first_position = first_position  # absolute position of the first decoded token (entry 0)
         self.length = 0
         self._entries: dict[tuple[object, str], torch.Tensor] = {}
+        self._windows: dict[tuple[object, str], torch.Tensor] = {}
         self._states: dict[tuple[object, str], torch.Tensor] = {}
 
-    def positions(self, count: int, device: torch.device) -> torch.Tensor:
-        """Absolute positions of the first `count` entries."""
-        return torch.arange(self.first_position, self.first_position + count, device=device)
+    def positions(self, count: int, new_tokens: int, device: torch.device) -> torch.Tensor:
+        """Absolute positions of the last `count` entries once a forward of `new_tokens` has extended them."""
+        end = self.first_position + self.length + new_tokens
+        return torch.arange(end - count, end, device=device)
 
     @torch.no_grad()
-    def extend(self, owner: object, name: str, values: torch.Tensor, dim: int) -> torch.Tensor:
-        """Write `values` (this forward's entries, `T` along `dim`) after the stored ones; return all of them (a view).
+    def extend(
+        self, owner: object, name: str, values: torch.Tensor, dim: int, window: int | None = None
+    ) -> torch.Tensor:
+        """Write `values` (this forward's entries, `T` along `dim`) after the stored ones; return the entries this
+        forward reads: all of them (a view), or with a sliding `window` the last `window - 1` stored ones and the new
+        ones (only `window - 1` are kept, as transformers' sliding-window cache layer does).
 
         `owner` and `name` identify the entry set (a layer state and, e.g., "key"); its layout is the caller's.
         """
         key = (owner, name)
+        if window is not None:
+            previous = self._windows.get(key)
+            joined = values if previous is None else torch.cat([previous, values], dim=dim)
+            keep = min(window - 1, joined.shape[dim])
+            self._windows[key] = joined.narrow(dim, joined.shape[dim] - keep, keep).clone()
+            return joined
         end = self.length + values.shape[dim]
         if end > self.capacity:
             raise ValueError(f"A rollout decoded {end} tokens per row, more than its capacity of {self.capacity}.")
@@ -65,5 +79,5 @@ class Suffix:
         self.length += count
 
     def nbytes(self) -> int:
-        tensors = list(self._entries.values()) + list(self._states.values())
+        tensors = [*self._entries.values(), *self._windows.values(), *self._states.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
