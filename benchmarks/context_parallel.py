@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from presets import PRESETS, build_config, load_config_kwargs
+from presets import PRESETS, build_model, load_config_kwargs
 
 
 def rss_gib() -> float:
@@ -56,7 +56,6 @@ def replay_elements_per_token(config) -> tuple[int, int]:
 
 def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
-    from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
     from trl_longstraw.context_parallel import COMMUNICATION, SERVED, ContextParallelEngine, ContextParallelGroup
@@ -67,9 +66,7 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=size)
         cp = ContextParallelGroup.of()
     _, kwargs = load_config_kwargs(args.model_preset)
-    config, _ = build_config(kwargs, min_positions=args.prompt_length + args.completion_length + 1)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    config, model = build_model(kwargs, min_positions=args.prompt_length + args.completion_length + 1)
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     vocab = config.get_text_config().vocab_size

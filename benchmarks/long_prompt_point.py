@@ -75,18 +75,15 @@ class Phases:
         return result
 
 
-def build_model(args, min_positions: int):
-    import torch
-    from presets import build_config, load_config_kwargs
-    from transformers import AutoModelForCausalLM
+def build_prepared_model(args, min_positions: int):
+    from presets import build_model, load_config_kwargs
     from trl.trainer.utils import add_fused_lm_head
 
     from trl_longstraw.engine import prepare_model
 
     name, kwargs = load_config_kwargs(args.preset, args.model_config)
-    config, _ = build_config(kwargs, min_positions=min_positions)
-    torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype)).to(args.device)
+    _, model = build_model(kwargs, min_positions=min_positions, dtype=args.dtype, seed=args.seed)
+    model = model.to(args.device)
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs",))
     return name, model
@@ -175,7 +172,7 @@ def main(argv=None) -> None:
         "skipped": [],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    name, model = build_model(args, min_positions=lengths[-1] + args.completion_length + 1)
+    name, model = build_prepared_model(args, min_positions=lengths[-1] + args.completion_length + 1)
     result.update(model=name, num_params=sum(p.numel() for p in model.parameters()))
     result["build_s"] = time.perf_counter() - started
     last = None

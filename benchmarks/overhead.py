@@ -68,17 +68,13 @@ def patched(target, name, replacement):
 
 
 def build(args):
-    import torch
-    from presets import build_config, load_config_kwargs
-    from transformers import AutoModelForCausalLM
+    from presets import build_model, load_config_kwargs
     from trl.trainer.utils import add_fused_lm_head
 
     from trl_longstraw.engine import prepare_model
 
     _, kwargs = load_config_kwargs(args.preset)
-    config, _ = build_config(kwargs, min_positions=args.prompt_length + args.completion_length + 1)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _, model = build_model(kwargs, min_positions=args.prompt_length + args.completion_length + 1)
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     return model
@@ -154,7 +150,8 @@ def main() -> None:
     prompt, completions, lengths = group_inputs(args, vocab)
     engine = LongStrawEngine(args.prefill_chunk_size, args.attention_chunk_size)
     telemetry_on, telemetry_off = PhaseTelemetry(device, enabled=True), PhaseTelemetry(device, enabled=False)
-    one_group(engine, model, telemetry_off, prompt[:1024], completions[:2, :16], torch.tensor([16, 16]))  # warm-up
+    width = min(16, args.completion_length)  # warm-up: a short prompt and two short members
+    one_group(engine, model, telemetry_off, prompt[:1024], completions[:2, :width], torch.tensor([width, width]))
 
     # 1. the guards timed in place, during real groups (telemetry on, as by default)
     timers = {name: CallTimer() for name in ("weights_version", "Placement.check", "all_finite", "check_prepared")}

@@ -136,3 +136,13 @@ def build_config(kwargs: dict[str, Any], min_positions: int | None = None):
         text_config.max_position_embeddings = min_positions
         raised = (current, min_positions)
     return config, raised
+
+
+def build_model(kwargs: dict[str, Any], min_positions: int | None = None, dtype: str = "float32", seed: int = 0):
+    """`(config, model)`: the config of `build_config` and a model with random weights from `seed`, in `dtype`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config, _ = build_config(kwargs, min_positions=min_positions)
+    torch.manual_seed(seed)
+    return config, AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))

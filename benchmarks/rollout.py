@@ -35,27 +35,18 @@ GIB = 1024**3
 MODES = ("stock-generate", "longstraw-rollout")
 
 
-def status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def worker(args) -> dict:
     import torch
-    from presets import build_config, load_config_kwargs
-    from transformers import AutoModelForCausalLM, GenerationConfig
-    from update_worker import _malloc_trim
+    from presets import build_model, load_config_kwargs
+    from transformers import GenerationConfig
+    from update_worker import _malloc_trim, _status_bytes
 
     from trl_longstraw.engine import LongStrawEngine, prepare_model
     from trl_longstraw.rollout import PromptRows, decode, prepare_sampling
 
-    torch.manual_seed(0)
     _, kwargs = load_config_kwargs(args.preset)
-    config, _ = build_config(kwargs, min_positions=args.prompt_length + args.completion_length + 1)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    config, model = build_model(kwargs, min_positions=args.prompt_length + args.completion_length + 1)
+    model.eval()
     vocab = config.get_text_config().vocab_size
     prompt = torch.randint(2, vocab, (args.prompt_length,), generator=torch.Generator().manual_seed(1))
     rows = prompt[None].expand(args.group_size, -1)
@@ -72,7 +63,7 @@ def worker(args) -> dict:
         prepare_model(model)
         engine = LongStrawEngine(prefill_chunk_size=args.prefill_chunk_size, attention_chunk_size=args.chunk_size)
     _malloc_trim()
-    baseline = status_bytes("VmRSS")
+    baseline = _status_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")
     start = time.perf_counter()
@@ -87,7 +78,7 @@ def worker(args) -> dict:
             sampling = prepare_sampling(model, generation, rows, torch.ones_like(rows))
             tokens = decode(engine, model, [PromptRows(list(range(args.group_size)), prompt, state)], rows, sampling)
     seconds = time.perf_counter() - start
-    peak = status_bytes("VmHWM") - baseline
+    peak = _status_bytes("VmHWM") - baseline
     assert tokens.shape == (args.group_size, args.completion_length), tokens.shape
     return {
         "mode": args.mode,
