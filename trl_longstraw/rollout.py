@@ -48,6 +48,11 @@ class Sampling:
 def check_generation_config(model: nn.Module, generation_config: GenerationConfig) -> None:
     """Refuse what a rollout from the prompt state cannot serve, naming the setting and the way out."""
     config, _ = model._prepare_generation_config(generation_config)
+    _refuse_what_a_rollout_cannot_serve(config)
+
+
+def _refuse_what_a_rollout_cannot_serve(config: GenerationConfig) -> None:
+    """`check_generation_config` on a generation config `_prepare_generation_config` already prepared."""
     mode = config.get_generation_mode()
     if mode not in (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH):
         raise UnsupportedRolloutError(
@@ -76,10 +81,10 @@ def prepare_sampling(
 
     `prompt_mask` (1 on real tokens) reaches the logits processors as `generate`'s attention mask does: the
     repetition penalty skips each row's left padding (the pad token is often the EOS token)."""
-    check_generation_config(model, generation_config)
     has_default_max_length = generation_config.max_length is None and model.generation_config.max_length is None
     has_default_min_length = generation_config.min_length is None and model.generation_config.min_length is None
     config, model_kwargs = model._prepare_generation_config(generation_config)
+    _refuse_what_a_rollout_cannot_serve(config)
     device = padded_prompts.device
     model._prepare_special_tokens(config, True, device=device, batch_size=padded_prompts.shape[0])
     config = model._prepare_generated_length(
