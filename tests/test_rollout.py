@@ -224,3 +224,16 @@ def test_decoding_reads_host_resident_and_fp8_prompt_states(setting):
     same_inputs = int(differs[0]) + 1 if len(differs) else width  # logits of step k read tokens < k
     error = float((logits[:same_inputs] - plain_logits[:same_inputs]).abs().max())
     assert same_inputs >= 3 and 0.0 < error < 0.02
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "nemotron_h", "glm_moe_dsa"])
+def test_a_one_token_prompt_decodes_from_an_empty_state_as_generate_does(family):
+    """A one-token prompt captures nothing: its rows decode from an empty state (beside a padded 5-token prompt)."""
+    model = build_model(family, seed=0).float()
+    prompts = random_prompts(model, [1, 5], seed=4)
+    want_tokens, want_logits = generate(model, prompts, 2, generation_config())
+    logits = []
+    tokens, groups = rollout(model, prompts, 2, generation_config(), logits)
+    assert groups[0].state.num_tokens == 0
+    assert torch.equal(tokens, want_tokens)
+    assert max(float((got - want).abs().max()) for got, want in zip(logits, want_logits, strict=True)) < 1e-5
