@@ -18,9 +18,12 @@ from trl_longstraw.context_parallel import (
 )
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine, prepare_model
-from trl_longstraw.state import AttentionPages, LatentPages
+from trl_longstraw.state import AttentionPages, IndexerKeys, LatentPages
 
 PROMPT_LENGTH, COMPLETION_WIDTH = 37, 7
+# DSA: top-12 of up to 43 keys, so the selection matters (a per-shard top-k would pick 24); 32 index heads, so that no
+# key scores exactly 0 (ReLU) and no tie sits at the boundary.
+OVERRIDES = {family: {"index_topk": 12, "index_n_heads": 32} for family in ("deepseek_v32", "glm_moe_dsa")}
 
 
 def case(seed=0, vocab=100):
@@ -58,18 +61,20 @@ def relative_errors(got, want, floor_fraction):
     }
 
 
-def attention_bytes(state):
-    """Bytes of the per-token pages (K/V, MLA latents): what sharding divides."""
+def attention_bytes(state, rolling=False):
+    """Bytes of the per-token pages (K/V, MLA latents, DSA indexer keys): what sharding divides; with `rolling`,
+    those of the sliding-window layers that keep only their last `window - 1` entries instead."""
     return sum(
         t.numel() * t.element_size()
         for layer in state.layers
-        if isinstance(layer, AttentionPages | LatentPages)
+        if isinstance(layer, AttentionPages | LatentPages | IndexerKeys)
+        and bool(getattr(layer, "rolling", False)) == rolling
         for t in layer.tensors()
     )
 
 
 def check_family(family, mode, cp):
-    model = build_model(family, seed=0)
+    model = build_model(family, seed=0, **OVERRIDES.get(family, {}))
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     prompt, completions, lengths, weights = case()
@@ -93,14 +98,37 @@ def check_family(family, mode, cp):
         "whole_state_bytes": whole.nbytes(),
         "attention_bytes": attention_bytes(state),
         "whole_attention_bytes": attention_bytes(whole),
+        "window_bytes": attention_bytes(state, rolling=True),
+        "whole_window_bytes": attention_bytes(whole, rolling=True),
         "shard": state.shard,
         "communication": dict(COMMUNICATION),
     }
 
 
-def refusal(cp, family="qwen3", prompt_length=2):
+def chunked_attention_model():
+    """Llama 4's chunked attention (not in the support table; refused under context parallelism)."""
+    from transformers import AutoModelForCausalLM, Llama4TextConfig
+
+    torch.manual_seed(0)
+    config = Llama4TextConfig(
+        vocab_size=102,
+        hidden_size=64,
+        intermediate_size=64,
+        intermediate_size_mlp=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        attention_chunk_size=8,
+        interleave_moe_layer_step=1,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+def refusal(cp, family="qwen3", prompt_length=2, model=None):
     """The error a capture raises (before any collective, on every rank), or None."""
-    model = build_model(family, seed=0)
+    model = build_model(family, seed=0) if model is None else model
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     try:
@@ -117,8 +145,7 @@ def run(rank, world_size, init_file, cases, out_dir):
         cp = ContextParallelGroup.of()
         results = {(family, mode): check_family(family, mode, cp) for family, mode in cases}
         results["short_prompt"] = refusal(cp)
-        results["windowed"] = refusal(cp, "mistral", PROMPT_LENGTH)
-        results["dsa"] = refusal(cp, "glm_moe_dsa", PROMPT_LENGTH)
+        results["chunked"] = refusal(cp, prompt_length=PROMPT_LENGTH, model=chunked_attention_model())
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -20,6 +20,13 @@ CASES = [
     ("qwen3_next", "exact"),
     ("deepseek_v3", "detach"),
     ("deepseek_v3", "exact"),
+    ("glm_moe_dsa", "detach"),  # MLA + DSA with IndexShare: the top-k merged across ranks
+    ("glm_moe_dsa", "exact"),
+    ("deepseek_v32", "exact"),
+    ("mistral", "detach"),  # a sliding window on every layer: each rank keeps its shard's last window - 1 entries
+    ("mistral", "exact"),
+    ("gpt_oss", "detach"),  # attention sinks, sliding + full layers, MoE
+    ("gemma2", "exact"),  # logit soft-capping, sliding + global layers
     ("nemotron_h", "exact"),  # Mamba2 + attention + MoE blocks
 ]
 WORLD_SIZE = 2
@@ -65,11 +72,13 @@ def test_each_rank_keeps_only_its_shard(ranks, case):
     assert [r["shard"] for r in results] == shard_bounds(36, WORLD_SIZE)
     whole = results[0]["whole_attention_bytes"]
     assert sum(r["attention_bytes"] for r in results) == whole
-    recurrent = results[0]["whole_state_bytes"] - whole  # fixed-size recurrent state: replicated on every rank
+    window = results[0]["whole_window_bytes"]  # sliding-window layers keep their last window - 1 entries
+    recurrent = results[0]["whole_state_bytes"] - whole - window  # fixed-size recurrent state: on every rank
     for r in results:
         assert r["attention_bytes"] == whole / WORLD_SIZE
+        assert r["window_bytes"] <= window
         if case[1] == "detach":  # (exact mode keeps a recurrent state per capture chunk, as in one process)
-            assert r["state_bytes"] == whole / WORLD_SIZE + recurrent
+            assert r["state_bytes"] == whole / WORLD_SIZE + r["window_bytes"] + recurrent
 
 
 def test_a_prompt_shorter_than_the_group_is_refused_naming_the_fix(ranks):
@@ -79,8 +88,7 @@ def test_a_prompt_shorter_than_the_group_is_refused_naming_the_fix(ranks):
 
 def test_layers_not_sharded_yet_are_refused_naming_the_fix(ranks):
     for rank in ranks:
-        assert "with a window" in rank["windowed"] and "context_parallel_size=1" in rank["windowed"]
-        assert "'dsa_indexer'" in rank["dsa"] and "context_parallel_size=1" in rank["dsa"]
+        assert "'chunked_attention'" in rank["chunked"] and "context_parallel_size=1" in rank["chunked"]
 
 
 def test_context_parallel_size_is_taken_from_accelerate_and_a_disagreement_is_refused(tmp_path):

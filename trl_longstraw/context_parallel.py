@@ -48,17 +48,21 @@ with NCCL and the model on CUDA nothing is copied, with gloo and the model on CP
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from .attention import (
     CAUSAL,
     KeyBlock,
+    Visibility,
     _finite,
     blocks_backward,
     blocks_forward,
@@ -67,9 +71,16 @@ from .attention import (
     sinks_partial,
 )
 from .engine import LongStrawEngine, check_prepared, no_layer_checkpointing, non_finite_error, weights_version
-from .state import AttentionPages, ConvRecurrentState, FeedForwardOnly, LatentPages, PromptState, plan_layers
-from .state.attention import sliding_window_of
-from .state.mla import absorbed_weights
+from .state import (
+    AttentionPages,
+    ConvRecurrentState,
+    FeedForwardOnly,
+    IndexerKeys,
+    LatentPages,
+    PromptState,
+    plan_layers,
+)
+from .state.mla import absorbed_weights, topk_selection
 
 # Elements sent through each kind of collective by this process (reset it to measure a phase).
 COMMUNICATION: Counter = Counter()
@@ -81,9 +92,9 @@ SERVED: Counter = Counter()
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # What the owner of a shard announces to the other ranks (the first entry of an announcement), in capture and in the
 # exact-mode recompute: the end of its shard, a forward attention call (capture: nothing kept; recompute: its queries
-# and merged output kept until the call's backward), the backward of a recompute attention call.
-_END_OF_SHARD, _CAPTURE, _RECOMPUTE, _BACKWARD = range(4)
-_ANNOUNCEMENT = 13
+# and merged output kept until the call's backward), the backward of a recompute attention call, a DSA indexer call.
+_END_OF_SHARD, _CAPTURE, _RECOMPUTE, _BACKWARD, _INDEXER = range(5)
+_ANNOUNCEMENT = 14
 _CPU = torch.device("cpu")
 
 
@@ -132,6 +143,19 @@ class ContextParallelGroup:
     def broadcast(self, tensor: torch.Tensor, source: int, kind: str = "broadcast") -> torch.Tensor:
         COMMUNICATION[kind] += tensor.numel()
         return self._in_place(lambda wire: dist.broadcast(wire, group=self.group, group_src=source), tensor)
+
+    def broadcast_tensor(self, tensor: torch.Tensor | None, source: int, kind: str) -> torch.Tensor:
+        """A tensor of any shape and dtype from `source` (`None` elsewhere; header first: the others allocate from
+        it), on `device` except at the source."""
+        header = torch.zeros(8, dtype=torch.int64, device=self.device)
+        if self.rank == source:
+            header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+        self._in_place(lambda wire: dist.broadcast(wire, group=self.group, group_src=source), header)
+        dims, dtype, *shape = header.tolist()
+        if self.rank != source:
+            tensor = torch.empty(tuple(shape[:dims]), dtype=_DTYPES[dtype], device=self.device)
+        return self.broadcast(tensor.detach(), source, kind=kind)
 
     def send(self, tensor: torch.Tensor, destination: int) -> None:
         """A tensor of any shape and dtype to `destination` (header first: the receiver allocates from it)."""
@@ -191,6 +215,55 @@ def merge_across(out: torch.Tensor, lse: torch.Tensor, cp: ContextParallelGroup)
     total = packed[out.numel() :].view_as(weight)
     merged = packed[: out.numel()].view_as(out) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
     return merged, safe + torch.log(total)
+
+
+def merge_topk(
+    scores: torch.Tensor, key_index: torch.Tensor, k: int, cp: ContextParallelGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-`k` of every rank's DSA index scores, from this rank's `scores [batch, tokens, keys]` whose columns are
+    the global keys `key_index [keys]` (`-1`: a column this rank does not count): each rank's own top-k candidates
+    (the global top-k is among them), gathered by an all-reduce of per-rank slots, and the top-k of those. Returns
+    `(values, global key indices)`, the same on every rank; where fewer than `k` keys exist, index `-1` pads."""
+    scores = scores.masked_fill(key_index < 0, float("-inf"))
+    local = min(k, scores.shape[-1])
+    values, picked = scores.topk(local, dim=-1)
+    slots = torch.zeros((cp.size, *scores.shape[:2], k), dtype=scores.dtype, device=scores.device)
+    ids = torch.zeros(slots.shape, dtype=torch.int64, device=scores.device)
+    slots[cp.rank], ids[cp.rank] = float("-inf"), -1
+    slots[cp.rank, ..., :local], ids[cp.rank, ..., :local] = values, key_index[picked]
+    slots = cp.all_reduce(slots, kind="indexer")  # every slot has one contributor, the others add zeros
+    ids = cp.all_reduce(ids, kind="indexer")
+    candidates = slots.permute(1, 2, 0, 3).reshape(*scores.shape[:2], -1)
+    values, best = candidates.topk(k, dim=-1)
+    return values, ids.permute(1, 2, 0, 3).reshape(candidates.shape).gather(-1, best)
+
+
+class CrossRankTopK(TorchFunctionMode):
+    """Active during one DSA indexer forward (the model's own code, over this rank's keys): its `topk` of the index
+    scores becomes `merge_topk`, the top-k over every rank's keys, in global key indices. The merged indices are also
+    kept as the state's `selection` (a serving rank's partial attention applies the last one, as the model's
+    IndexShare layers reuse the last computing layer's)."""
+
+    def __init__(self, state: ShardedPromptState, key_index: torch.Tensor, k: int):
+        super().__init__()
+        self.state, self.key_index, self.k = state, key_index, k
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not torch.Tensor.topk:
+            return func(*args, **(kwargs or {}))
+        values, indices = merge_topk(args[0], self.key_index, self.k, self.state.cp)
+        self.state.selection = indices
+        return torch.return_types.topk((values, indices))
+
+
+class _ServedIndexerKeys:
+    """The Cache a serving rank hands an owner's indexer call: this rank's indexer keys, whatever the call's own."""
+
+    def __init__(self, keys: torch.Tensor):
+        self.keys = keys
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        return self.keys
 
 
 def _empty_partial(q: torch.Tensor, value_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -341,6 +414,7 @@ class _Served:
     softcap: float | None
     has_sinks: bool
     value_dim: int
+    selection: torch.Tensor | None = None  # DSA: the merged top-k indices the owner's attention applies
 
 
 class ShardedView:
@@ -353,8 +427,11 @@ class ShardedView:
         self.state = state
 
     # -- per kind ----------------------------------------------------------------------------------------------------
-    def page_block(self, device, dtype, limit=None) -> tuple[tuple[KeyBlock, ...], tuple[torch.Tensor, ...]]:
-        """This rank's pages (their first `limit` entries; all by default) as one shared key block, or nothing."""
+    def page_block(
+        self, device, dtype, limit=None, indices=None
+    ) -> tuple[tuple[KeyBlock, ...], tuple[torch.Tensor, ...]]:
+        """This rank's pages (their first `limit` entries; all by default) as one shared key block, or nothing; with
+        DSA top-k `indices` (global key indices), only the keys they select."""
         raise NotImplementedError
 
     def visibility(self, sliding_window: int | None):
@@ -365,9 +442,10 @@ class ShardedView:
         raise NotImplementedError
 
     # -- shared ------------------------------------------------------------------------------------------------------
-    def sharded_attention(self, access, query, own_k, own_v, scaling, sliding_window, softcap, sinks):
+    def sharded_attention(self, access, query, own_k, own_v, scaling, sliding_window, softcap, sinks, indices=None):
         """`query` over every rank's pages and over `own_k/own_v` (this forward's own keys, `[batch * groups, tokens,
-        d]`), as one softmax across the CP group; announced to the serving ranks when this rank owns the chunk."""
+        d]`), as one softmax across the CP group; announced to the serving ranks when this rank owns the chunk. DSA
+        `indices` (the merged top-k, global key indices: the prompt's tokens, then this forward's) restrict both."""
         state = self.state
         positions = access.query_positions
         limit, on_backward = None, None
@@ -382,7 +460,16 @@ class ShardedView:
             owns_suffix, reduce_suffix = True, False
             phase = _CAPTURE if access.mode == "capture" else _RECOMPUTE
             state.announce(
-                phase, self.layer.layer_idx, query, own_v.shape[-1], positions, scaling, sliding_window, softcap, sinks
+                phase,
+                self.layer.layer_idx,
+                query,
+                own_v.shape[-1],
+                positions,
+                scaling,
+                sliding_window,
+                softcap,
+                sinks,
+                indices is not None,
             )
             if access.mode == "recompute":  # the pages before the chunk
                 limit = access.prefix_length - state.shard[0]
@@ -390,7 +477,8 @@ class ShardedView:
                 def on_backward(d_out, layer_idx=self.layer.layer_idx):
                     state.announce_backward(layer_idx, d_out)
 
-        page_blocks, page_tensors = self.page_block(query.device, query.dtype, limit)
+        page_blocks, page_tensors = self.page_block(query.device, query.dtype, limit, indices)
+        own_selection = None if indices is None else topk_selection(indices, access.prefix_length)
         call = _Call(
             state.cp,
             owns_suffix,
@@ -400,7 +488,7 @@ class ShardedView:
             self.visibility(sliding_window),
             access.attention_chunk_size,
             softcap,
-            KeyBlock(positions, shared=False),
+            KeyBlock(positions, shared=False, selection=own_selection),
             on_backward,
         )
         return ContextParallelAttention.apply(query, sinks, own_k, own_v, call, page_blocks, *page_tensors)
@@ -408,7 +496,7 @@ class ShardedView:
     def _served_blocks(self, served: _Served, owner: int):
         if self.state.cp.rank > owner:  # this shard lies after the owner's queries: nothing it may see
             return (), ()
-        return self.page_block(served.query.device, served.query.dtype)
+        return self.page_block(served.query.device, served.query.dtype, indices=served.selection)
 
     @torch.no_grad()
     def serve_forward(self, served: _Served, owner: int, chunk_size: int) -> None:
@@ -462,7 +550,7 @@ class ShardedView:
 class ShardedAttention(ShardedView):
     """Softmax attention (GQA/MQA): this rank's K/V pages."""
 
-    def page_block(self, device, dtype, limit=None):
+    def page_block(self, device, dtype, limit=None, indices=None):
         layer = self.layer
         limit = layer.length if limit is None else limit
         if limit == 0:
@@ -473,7 +561,9 @@ class ShardedAttention(ShardedView):
         return (block,), (layer.key.read(limit), layer.value.read(limit))
 
     def visibility(self, sliding_window):
-        return self.layer.visibility(sliding_window)
+        """The layer's visibility, with a chunked layer's chunks counted from the whole prompt's first position (the
+        layer's own geometry starts at its shard)."""
+        return Visibility(sliding_window, self.layer.chunk_size, self.state.start_position)
 
     def accumulate(self, d_keys, d_values):
         _accumulate_grad(self.layer.key.data, d_keys)
@@ -485,8 +575,8 @@ class ShardedAttention(ShardedView):
         own_k = key.reshape(batch * kv_heads, tokens, -1)
         own_v = value.reshape(batch * kv_heads, tokens, -1)
         out = self.sharded_attention(access, query, own_k, own_v, scaling, sliding_window, softcap, sinks)
-        if access.mode == "capture":
-            layer._append(key[0], value[0], layer.visibility(sliding_window))
+        if access.mode == "capture":  # a windowed layer keeps what later tokens read, as in one process
+            layer._append(key[0], value[0], self.visibility(sliding_window))
         elif access.mode == "recompute":
             access.recorded[layer] = (key[0], value[0])
         return out
@@ -495,15 +585,19 @@ class ShardedAttention(ShardedView):
 class ShardedLatentAttention(ShardedView):
     """MLA: this rank's latent pages, read as multi-query attention by the absorbed queries (as `LatentPages`)."""
 
-    def page_block(self, device, dtype, limit=None):
+    def page_block(self, device, dtype, limit=None, indices=None):
         pages = self.layer.pages
         limit = pages.length if limit is None else limit
         if limit == 0:
             return (), ()
         start = self.layer.prompt.start_position  # the shard's first absolute position
         positions = torch.arange(start, start + limit, device=device)
+        selection = None if indices is None else topk_selection(indices, self.state.shard[0])
         data = pages.read(limit)
-        return (KeyBlock(positions, shared=True),), (data, data[..., : self.layer.mixer.kv_lora_rank])
+        return (KeyBlock(positions, shared=True, selection=selection),), (
+            data,
+            data[..., : self.layer.mixer.kv_lora_rank],
+        )
 
     def accumulate(self, d_keys, d_values):
         leaf = self.layer.pages.data
@@ -514,11 +608,6 @@ class ShardedLatentAttention(ShardedView):
 
     def attend(self, access, query, key, value, scaling, indices=None, **_):
         layer = self.layer
-        if indices is not None:
-            raise ContextParallelError(
-                "DSA top-k selection under context parallelism needs a cross-rank candidate merge, not implemented "
-                "yet: set context_parallel_size=1 for this model."
-            )
         module = layer.mixer
         latent, rope_key = access.cache_inputs[layer.layer_idx]
         own_keys = torch.cat([latent, rope_key], dim=-1)[:, 0]  # [batch, tokens, rank + rope]
@@ -526,7 +615,9 @@ class ShardedLatentAttention(ShardedView):
         w_uk, w_uv = absorbed_weights(module)
         query_nope, query_rope = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
         absorbed = torch.cat([torch.einsum("bhtn,khn->bhtk", query_nope, w_uk.to(query.dtype)), query_rope], dim=-1)
-        out = self.sharded_attention(access, absorbed, own_keys, own_keys[..., :rank], scaling, None, None, None)
+        out = self.sharded_attention(
+            access, absorbed, own_keys, own_keys[..., :rank], scaling, None, None, None, indices
+        )
         if access.mode == "capture":
             layer.pages.append(own_keys[:1])
         elif access.mode == "recompute":
@@ -547,7 +638,16 @@ class ShardedPromptState(PromptState):
     layer states; exact mode keeps, after this shard's own entries, the whole prompt's final state for the replays.
     """
 
-    SUPPORTED_LAYER_TYPES = (None, "full_attention", "linear_attention", "hybrid", "mlp", "moe")
+    SUPPORTED_LAYER_TYPES = (
+        None,
+        "full_attention",
+        "sliding_attention",
+        "indexed_attention",
+        "linear_attention",
+        "hybrid",
+        "mlp",
+        "moe",
+    )
 
     def __init__(self, plans, num_tokens, start_position, cp: ContextParallelGroup, **kwargs):
         self.cp = cp
@@ -558,6 +658,8 @@ class ShardedPromptState(PromptState):
         )
         self._whole = (num_tokens, start_position)
         self.chunk_offset = 0
+        self.selection: torch.Tensor | None = None  # the last merged DSA top-k (`CrossRankTopK`)
+        self._topk: list[CrossRankTopK] = []
         self._refuse_unsharded_layers()
         views = {AttentionPages: ShardedAttention, LatentPages: ShardedLatentAttention}
         self._views = {
@@ -568,20 +670,19 @@ class ShardedPromptState(PromptState):
         """Kinds and layers context parallelism does not shard yet are refused before any collective (every rank
         refuses alike), unsupported kinds first: they name the mixer (a DSA layer is also an 'indexed_attention')."""
         for layer in self.layers:
-            if not isinstance(layer, AttentionPages | LatentPages | ConvRecurrentState | FeedForwardOnly):
+            if not isinstance(
+                layer, AttentionPages | LatentPages | IndexerKeys | ConvRecurrentState | FeedForwardOnly
+            ):
                 raise ContextParallelError(
                     f"Layer {layer.layer_idx} keeps a {type(layer).name!r} state, which context parallelism does not "
                     "shard yet: set context_parallel_size=1 for this model."
                 )
         for layer in self.layers:
-            windowed = isinstance(layer, AttentionPages) and (
-                layer.chunk_size is not None or sliding_window_of(layer.mixer, layer.mixer.config, layer.layer_type)
-            )
-            if layer.layer_type not in self.SUPPORTED_LAYER_TYPES or windowed:
+            if layer.layer_type not in self.SUPPORTED_LAYER_TYPES:
                 raise ContextParallelError(
-                    f"Layer {layer.layer_idx} is a {layer.layer_type!r} layer{' with a window' if windowed else ''}: "
-                    "context parallelism shards full attention, MLA and recurrent layers only so far. Set "
-                    "context_parallel_size=1 for this model."
+                    f"Layer {layer.layer_idx} is a {layer.layer_type!r} layer: context parallelism shards full and "
+                    "sliding-window attention, MLA (with DSA) and recurrent layers so far. Set context_parallel_size=1 "
+                    "for this model."
                 )
 
     @property
@@ -596,12 +697,18 @@ class ShardedPromptState(PromptState):
     def shard(self) -> tuple[int, int]:
         return self.bounds[self.cp.rank]
 
+    def local_prefix(self, prefix_length: int) -> int:
+        shard_start, shard_end = self.shard
+        return max(0, min(prefix_length, shard_end) - shard_start)
+
     def for_mixer(self, module):
         view = self._views.get(id(module))
         return view if view is not None else super().for_mixer(module)
 
     # -- capture and recompute: the owner announces each attention call, the other ranks serve it --------------------
-    def announce(self, phase, layer_idx, query, value_dim, positions, scaling, sliding_window, softcap, sinks) -> None:
+    def announce(
+        self, phase, layer_idx, query, value_dim, positions, scaling, sliding_window, softcap, sinks, selects
+    ) -> None:
         announcement = torch.tensor(
             [
                 phase,
@@ -614,6 +721,7 @@ class ShardedPromptState(PromptState):
                 0.0 if softcap is None else softcap,
                 _DTYPES.index(query.dtype),
                 sinks is not None,
+                selects,
             ],
             dtype=torch.float64,
             device=self.cp.device,
@@ -642,13 +750,16 @@ class ShardedPromptState(PromptState):
             phase, layer_idx = int(phase), int(layer_idx)
             if phase == _END_OF_SHARD:
                 return
+            if phase == _INDEXER:
+                self.serve_indexer(layer_idx, owner, int(rest[0]), device)
+                continue
             view = by_layer[layer_idx]
             if phase == _BACKWARD:
                 served = kept.pop(layer_idx)
                 d_out = self.cp.broadcast(torch.empty_like(served.out), owner, kind="recompute")
                 view.serve_backward(served, d_out, owner, chunk_size)
                 continue
-            batch, heads, tokens, dim, value_dim, first, scaling, window, softcap, dtype, has_sinks = rest
+            batch, heads, tokens, dim, value_dim, first, scaling, window, softcap, dtype, has_sinks, selects = rest
             query = torch.empty(
                 (int(batch), int(heads), int(tokens), int(dim)), dtype=_DTYPES[int(dtype)], device=device
             )
@@ -656,9 +767,73 @@ class ShardedPromptState(PromptState):
             positions = torch.arange(int(first), int(first) + int(tokens), device=device)
             window = None if window < 0 else int(window)
             served = _Served(query, positions, None, None, scaling, window, softcap or None, has_sinks, int(value_dim))
+            served.selection = self.selection if selects else None
             view.serve_forward(served, owner, chunk_size)
             if phase == _RECOMPUTE:
                 kept[layer_idx] = served
+
+    # -- DSA: the top-k over every rank's indexer keys ---------------------------------------------------------------
+    @contextmanager
+    def selecting_across_ranks(self) -> Iterator[None]:
+        """While the model runs one forward over this state: each DSA indexer's top-k over this rank's keys becomes
+        the top-k over every rank's (`CrossRankTopK`, entered and left by the indexer's forward hooks); an owned
+        capture or recompute chunk announces each indexer call, which the serving ranks answer (`serve_indexer`)."""
+        handles = []
+        for layer in self.layers:
+            if isinstance(layer, IndexerKeys):
+                handles.append(layer.mixer.register_forward_pre_hook(self._indexer_called, with_kwargs=True))
+                handles.append(layer.mixer.register_forward_hook(self._indexer_returned, always_call=True))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _indexer_called(self, module, args, kwargs) -> None:
+        call = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+        access, hidden = call["cache"], call["hidden_states"]
+        tokens, local = hidden.shape[1], self.local_prefix(access.prefix_length)
+        k = min(module.index_topk, access.prefix_length + tokens)  # as the indexer would over the whole prefix
+        key_index = torch.arange(self.shard[0], self.shard[0] + local + tokens, device=hidden.device)
+        if access.mode == "read":  # every rank runs the member: rank 0 counts its own keys, after the prompt's
+            own = torch.arange(access.prefix_length, access.prefix_length + tokens, device=hidden.device)
+            key_index[local:] = own if self.cp.rank == 0 else -1
+        else:  # an owned chunk: the serving ranks score their keys against its indexer queries
+            self.announce_indexer(module.layer_idx, k, hidden, call["q_resid"], *call["position_embeddings"])
+        self._topk.append(CrossRankTopK(self, key_index, k))
+        self._topk[-1].__enter__()
+
+    def _indexer_returned(self, module, args, output) -> None:
+        self._topk.pop().__exit__(None, None, None)
+
+    def announce_indexer(self, layer_idx: int, k: int, *inputs: torch.Tensor) -> None:
+        announcement = torch.zeros(_ANNOUNCEMENT, dtype=torch.float64, device=self.cp.device)
+        announcement[0], announcement[1], announcement[2] = _INDEXER, layer_idx, k
+        self.cp.broadcast(announcement, self.cp.rank, kind="capture")
+        for tensor in inputs:
+            self.cp.broadcast_tensor(tensor.contiguous(), self.cp.rank, kind="capture")
+
+    def serve_indexer(self, layer_idx: int, owner: int, k: int, device: torch.device) -> None:
+        """Another rank's indexer call: the model's indexer over this rank's keys (those before the owner's chunk:
+        all of an earlier shard's, none of a later one's), merged into the top-k on every rank."""
+        hidden, q_resid, cos, sin = (
+            self.cp.broadcast_tensor(None, owner, kind="capture").to(device) for _ in range(4)
+        )
+        layer = self.of_layer(layer_idx, IndexerKeys)
+        keys = layer.keys.read() if self.cp.rank < owner else None
+        if keys is None:
+            self.selection = merge_topk(
+                hidden.new_empty((*hidden.shape[:2], 0), dtype=torch.float32),
+                torch.empty(0, dtype=torch.int64, device=device),
+                k,
+                self.cp,
+            )[1]
+            return
+        keys = self.geometry.placement.stage(keys, device)
+        key_index = torch.arange(self.shard[0], self.shard[0] + keys.shape[1], device=device)
+        visible = torch.ones((*hidden.shape[:2], keys.shape[1]), dtype=torch.bool, device=device)
+        with CrossRankTopK(self, key_index, k):
+            layer.mixer(hidden, q_resid, (cos, sin), visible, None, cache=_ServedIndexerKeys(keys))
 
     # -- recurrent layers: the sequential hand-off ---------------------------------------------------------------------
     def recurrent_layers(self) -> list[ConvRecurrentState]:
@@ -719,6 +894,14 @@ class ContextParallelEngine(LongStrawEngine):
     @property
     def sharded(self) -> bool:
         return self.context_parallel is not None and self.context_parallel.size > 1
+
+    def _backbone_forward(self, model, state, mode, token_ids, start, chunk_index):
+        with _selecting_across_ranks(state):
+            return super()._backbone_forward(model, state, mode, token_ids, start, chunk_index)
+
+    def _member_forward(self, model, state, last_prompt_token, completions, lengths):
+        with _selecting_across_ranks(state):
+            return super()._member_forward(model, state, last_prompt_token, completions, lengths)
 
     def _own_chunks(self, state: ShardedPromptState) -> list[tuple[int, int]]:
         shard_start, shard_end = state.shard
@@ -801,6 +984,15 @@ class ContextParallelEngine(LongStrawEngine):
                 if owner > 0:
                     state.send_recurrent_gradients(owner - 1)
         sum_added_gradients(params, before, cp)
+
+
+@contextmanager
+def _selecting_across_ranks(state: PromptState) -> Iterator[None]:
+    if isinstance(state, ShardedPromptState):
+        with state.selecting_across_ranks():
+            yield
+    else:
+        yield
 
 
 def sum_added_gradients(params, before, cp: ContextParallelGroup) -> None:

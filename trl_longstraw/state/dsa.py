@@ -55,7 +55,7 @@ class IndexerKeys(LayerState):
             self.keys.append(keys[:1])
             return self.keys.read().to(keys.device)
         keys = access.own_entries(self, "keys", keys, dim=1)  # decoding: the rows' earlier indexer keys first
-        prefix = self.keys.read(access.prefix_length)
+        prefix = self.keys.read(access.state.local_prefix(access.prefix_length))
         if prefix is None:
             return keys
         prefix = self.prompt.placement.stage(prefix, keys.device)

@@ -71,6 +71,11 @@ class PromptState:
     def exact(self) -> bool:
         return self.geometry.exact
 
+    def local_prefix(self, prefix_length: int) -> int:
+        """How many of the first `prefix_length` captured tokens this process holds (all of them; a shard under
+        context parallelism holds its own): the prefix its indexer keys and the masks presented to the model span."""
+        return prefix_length
+
     def for_mixer(self, module: torch.nn.Module) -> LayerState:
         layer = self._by_mixer.get(id(module))
         if layer is None:
@@ -197,7 +202,7 @@ class StateAccess(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if not self.state.extends_masks:
             return 0
-        return self.prefix_length + (self.suffix.length if self.suffix is not None else 0)
+        return self.state.local_prefix(self.prefix_length) + (self.suffix.length if self.suffix is not None else 0)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return query_length + self.get_seq_length(layer_idx), 0
