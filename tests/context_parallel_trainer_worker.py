@@ -59,6 +59,7 @@ def step(prompt_gradient: str, context_parallel_size: int, family: str) -> dict:
         "update": {name: (p.detach() - initial[name]).clone() for name, p in trainer.model.named_parameters()},
         "loss": logged["loss"],
         "grad_norm": logged["grad_norm"],
+        "rollouts": logged.get("longstraw/rollout/count"),
     }
 
 

@@ -105,6 +105,50 @@ def check_family(family, mode, cp):
     }
 
 
+def rollouts(engine, model, prompts, rows_per_prompt, config):
+    """Each prompt captured once, its rows decoded from the state (as the trainer does); tokens and step logits."""
+    from trl_longstraw.rollout import PromptRows, decode, prepare_sampling
+
+    width = max(len(p) for p in prompts)
+    rows = [p for p in prompts for _ in range(rows_per_prompt)]
+    padded = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=p.dtype), p]) for p in rows])
+    mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]).long() for p in rows])
+    groups = [
+        PromptRows(list(range(i * rows_per_prompt, (i + 1) * rows_per_prompt)), p, engine.capture(model, p, 0))
+        for i, p in enumerate(prompts)
+    ]
+    sampling = prepare_sampling(model, config, padded, mask)
+    logits = []
+    torch.manual_seed(7)
+    tokens = decode(engine, model, groups, padded, sampling, logits)
+    return tokens, torch.stack(logits)
+
+
+def check_rollout(family, cp):
+    """Greedy and seeded sampling from the sharded state against the same rollouts from one process's state."""
+    from transformers import GenerationConfig
+
+    model = build_model(family, seed=0, **OVERRIDES.get(family, {}))
+    prepare_model(model)
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, 100, (n,), generator=generator) for n in (PROMPT_LENGTH, PROMPT_LENGTH - 6)]
+    results = {}
+    sampled = {"do_sample": True, "temperature": 0.9, "top_k": 40}
+    for name, settings in {"greedy": {"do_sample": False}, "sampled": sampled}.items():
+        # Token 0 is suppressed: its embedding (padding_idx) is zero, so a DSA indexer query after it scores every key
+        # exactly 0, a tie that any two computations of the top-k may break differently.
+        config = GenerationConfig(
+            max_new_tokens=9, pad_token_id=0, eos_token_id=[1], suppress_tokens=[0], disable_compile=True, **settings
+        )
+        want_tokens, want_logits = rollouts(LongStrawEngine(8, 4), model, prompts, 2, config)
+        tokens, logits = rollouts(ContextParallelEngine(8, 4, context_parallel=cp), model, prompts, 2, config)
+        results[name] = {
+            "same_tokens": torch.equal(tokens, want_tokens),
+            "logit_error": (logits - want_logits).abs().max().item(),
+        }
+    return results
+
+
 def chunked_attention_model():
     """Llama 4's chunked attention (not in the support table; refused under context parallelism)."""
     from transformers import AutoModelForCausalLM, Llama4TextConfig
@@ -138,12 +182,17 @@ def refusal(cp, family="qwen3", prompt_length=2, model=None):
     return None
 
 
+# Rollouts from a sharded state: dense, GatedDeltaNet hybrid, MLA + DSA (top-12), sliding window + sinks.
+ROLLOUT_FAMILIES = ("qwen3", "qwen3_5", "glm_moe_dsa", "gpt_oss")
+
+
 def run(rank, world_size, init_file, cases, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         cp = ContextParallelGroup.of()
         results = {(family, mode): check_family(family, mode, cp) for family, mode in cases}
+        results["rollouts"] = {family: check_rollout(family, cp) for family in ROLLOUT_FAMILIES}
         results["short_prompt"] = refusal(cp)
         results["chunked"] = refusal(cp, prompt_length=PROMPT_LENGTH, model=chunked_attention_model())
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 from trl_longstraw.context_parallel import capture_attention_pairs, shard_bounds
 
-from .context_parallel_worker import run, run_data_and_context_parallel
+from .context_parallel_worker import ROLLOUT_FAMILIES, run, run_data_and_context_parallel
 
 # Dense attention, the GatedDeltaNet hybrid (qwen3_5: its one attention layer is the last, so the exact recompute's
 # cross-shard page gradients need qwen3_next, whose attention layers feed GatedDeltaNet layers), MLA latent pages.
@@ -79,6 +79,15 @@ def test_each_rank_keeps_only_its_shard(ranks, case):
         assert r["window_bytes"] <= window
         if case[1] == "detach":  # (exact mode keeps a recurrent state per capture chunk, as in one process)
             assert r["state_bytes"] == whole / WORLD_SIZE + r["window_bytes"] + recurrent
+
+
+@pytest.mark.parametrize("family", ROLLOUT_FAMILIES)
+def test_rollouts_from_a_sharded_state_decode_the_single_process_tokens(ranks, family):
+    for rank in ranks:
+        for sampling in ("greedy", "sampled"):
+            result = rank["rollouts"][family][sampling]
+            assert result["same_tokens"], sampling
+            assert result["logit_error"] <= 1e-5, sampling
 
 
 def test_a_prompt_shorter_than_the_group_is_refused_naming_the_fix(ranks):

@@ -15,15 +15,16 @@ WORKER = os.path.join(os.path.dirname(__file__), "context_parallel_trainer_worke
 
 
 @pytest.mark.slow
-def test_two_context_parallel_ranks_take_the_single_process_step(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "glm_moe_dsa"])  # dense; MLA + DSA with IndexShare + MoE
+def test_two_context_parallel_ranks_take_the_single_process_step(tmp_path, family):
     env = dict(os.environ, PYTHONPATH=os.getcwd(), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
     sharded = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
     sharded += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
     runs = [
-        subprocess.Popen([*sharded, WORKER, str(tmp_path), "2", "qwen3"], env=env, stderr=subprocess.PIPE, text=True),
+        subprocess.Popen([*sharded, WORKER, str(tmp_path), "2", family], env=env, stderr=subprocess.PIPE, text=True),
         subprocess.Popen(
-            [sys.executable, WORKER, str(tmp_path), "1", "qwen3"], env=env, stderr=subprocess.PIPE, text=True
+            [sys.executable, WORKER, str(tmp_path), "1", family], env=env, stderr=subprocess.PIPE, text=True
         ),
     ]
     for run in runs:
@@ -42,4 +43,5 @@ def test_two_context_parallel_ranks_take_the_single_process_step(tmp_path):
             for name, update in got[mode]["update"].items():
                 assert torch.equal(update, ranks[0][mode]["update"][name]), (mode, name)
             assert got[mode]["first_rows"] == ranks[0][mode]["first_rows"]  # the CP group draws one set of rows
+            assert got[mode]["rollouts"] == want["rollouts"] == 1  # decoded from the (sharded) prompt state
         assert ranks[0][mode]["first_rows"] == want["first_rows"]

@@ -449,12 +449,7 @@ class ShardedView:
         state = self.state
         positions = access.query_positions
         limit, on_backward = None, None
-        if access.mode not in ("read", "capture", "recompute"):
-            raise ContextParallelError(
-                f"A {access.mode!r} forward over a sharded prompt state is not implemented: under context parallelism "
-                "generate with TRL's generation (e.g. rollout_from_prompt_state=False), not from the prompt state."
-            )
-        if access.mode == "read":  # every rank runs the member: rank 0 counts its own keys
+        if access.mode in ("read", "decode"):  # every rank runs the member (rows): rank 0 counts its own keys
             owns_suffix, reduce_suffix = state.cp.rank == 0, True
         else:  # this rank owns the chunk being captured or recomputed
             owns_suffix, reduce_suffix = True, False
@@ -488,7 +483,7 @@ class ShardedView:
             self.visibility(sliding_window),
             access.attention_chunk_size,
             softcap,
-            KeyBlock(positions, shared=False, selection=own_selection),
+            KeyBlock(access.own_positions(own_k.shape[1]), shared=False, selection=own_selection),
             on_backward,
         )
         return ContextParallelAttention.apply(query, sinks, own_k, own_v, call, page_blocks, *page_tensors)
@@ -572,8 +567,9 @@ class ShardedAttention(ShardedView):
     def attend(self, access, query, key, value, scaling, sliding_window=None, sinks=None, softcap=None, **_):
         layer = self.layer
         batch, kv_heads, tokens, _ = key.shape
-        own_k = key.reshape(batch * kv_heads, tokens, -1)
-        own_v = value.reshape(batch * kv_heads, tokens, -1)
+        window = self.visibility(sliding_window).sliding_window  # decoding: the rows' earlier entries first
+        own_k = access.own_entries(layer, "key", key.reshape(batch * kv_heads, tokens, -1), dim=1, window=window)
+        own_v = access.own_entries(layer, "value", value.reshape(batch * kv_heads, tokens, -1), 1, window)
         out = self.sharded_attention(access, query, own_k, own_v, scaling, sliding_window, softcap, sinks)
         if access.mode == "capture":  # a windowed layer keeps what later tokens read, as in one process
             layer._append(key[0], value[0], self.visibility(sliding_window))
@@ -611,6 +607,7 @@ class ShardedLatentAttention(ShardedView):
         module = layer.mixer
         latent, rope_key = access.cache_inputs[layer.layer_idx]
         own_keys = torch.cat([latent, rope_key], dim=-1)[:, 0]  # [batch, tokens, rank + rope]
+        own_keys = access.own_entries(layer, "latent", own_keys, dim=1)  # decoding: the rows' earlier latents first
         rank = module.kv_lora_rank
         w_uk, w_uv = absorbed_weights(module)
         query_nope, query_rope = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
@@ -792,12 +789,13 @@ class ShardedPromptState(PromptState):
     def _indexer_called(self, module, args, kwargs) -> None:
         call = inspect.signature(module.forward).bind(*args, **kwargs).arguments
         access, hidden = call["cache"], call["hidden_states"]
-        tokens, local = hidden.shape[1], self.local_prefix(access.prefix_length)
-        k = min(module.index_topk, access.prefix_length + tokens)  # as the indexer would over the whole prefix
-        key_index = torch.arange(self.shard[0], self.shard[0] + local + tokens, device=hidden.device)
-        if access.mode == "read":  # every rank runs the member: rank 0 counts its own keys, after the prompt's
-            own = torch.arange(access.prefix_length, access.prefix_length + tokens, device=hidden.device)
-            key_index[local:] = own if self.cp.rank == 0 else -1
+        local = self.local_prefix(access.prefix_length)
+        own = hidden.shape[1] + (access.suffix.length if access.suffix is not None else 0)  # decoding: and earlier
+        k = min(module.index_topk, access.prefix_length + own)  # as the indexer would over the whole prefix
+        key_index = torch.arange(self.shard[0], self.shard[0] + local + own, device=hidden.device)
+        if access.mode in ("read", "decode"):  # every rank runs the rows: rank 0 counts their keys, after the prompt
+            own_index = torch.arange(access.prefix_length, access.prefix_length + own, device=hidden.device)
+            key_index[local:] = own_index if self.cp.rank == 0 else -1
         else:  # an owned chunk: the serving ranks score their keys against its indexer queries
             self.announce_indexer(module.layer_idx, k, hidden, call["q_resid"], *call["position_embeddings"])
         self._topk.append(CrossRankTopK(self, key_index, k))
@@ -902,6 +900,16 @@ class ContextParallelEngine(LongStrawEngine):
     def _member_forward(self, model, state, last_prompt_token, completions, lengths):
         with _selecting_across_ranks(state):
             return super()._member_forward(model, state, last_prompt_token, completions, lengths)
+
+    def decode(self, model, state, suffix, token_ids):
+        with _selecting_across_ranks(state):
+            return super().decode(model, state, suffix, token_ids)
+
+    def agree_on_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A rollout step's tokens, rank 0's on every rank of the CP group (they decode the same rows in lockstep)."""
+        if not self.sharded:
+            return tokens
+        return self.context_parallel.broadcast(tokens.contiguous(), 0, kind="rollout")
 
     def _own_chunks(self, state: ShardedPromptState) -> list[tuple[int, int]]:
         shard_start, shard_end = state.shard

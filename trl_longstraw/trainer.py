@@ -226,15 +226,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         """Whether completions are decoded from the captured prompt state (`rollout_from_prompt_state`)."""
         if args.rollout_from_prompt_state is False or self.use_vllm or self.use_transformers_continuous_batching:
             return False
-        if self._parallel is not None:
-            if args.rollout_from_prompt_state:
-                raise ValueError(
-                    f"rollout_from_prompt_state=True with context_parallel_size={args.context_parallel_size}: decoding "
-                    "from a prompt state sharded across ranks is not implemented. Unset rollout_from_prompt_state "
-                    "(under context parallelism each rank generates with transformers' generate, and the sharded "
-                    "capture serves scoring and the update)."
-                )
-            return False
         try:
             check_generation_config(self._causal_lm(self.model), self.generation_config)
         except UnsupportedRolloutError as error:
