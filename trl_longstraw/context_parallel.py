@@ -1,7 +1,9 @@
 """Context parallelism: one group's prompt sharded by sequence across the ranks of a CP group.
 
 Every rank of a CP group keeps the durable state of one contiguous shard of the captured prompt tokens (attention K/V
-pages and MLA latent pages of its shard only; the fixed-size recurrent state is replicated after capture). Nothing of another rank's pages
+pages, MLA latent pages and DSA indexer keys of its shard only; a sliding-window layer the last `window - 1` entries
+of its shard, as one process keeps them of the prompt; the fixed-size recurrent state is replicated after capture).
+Nothing of another rank's pages
 is ever copied: a query's attention over a shard is computed where the shard lives, as that shard's partial `(o,
 lse)`, and the partials are merged by log-sum-exp across the group (`merge_across`), which is exact.
 
@@ -33,9 +35,24 @@ all-reduces (sums) the gradients of the query-side inputs (q, the completion's o
 function, so every rank's upstream graph receives the full gradient and every rank computes identical parameter
 gradients without any further all-reduce.
 
+DSA (DeepSeek-V3.2, GLM-5): the top-k is selected over the whole prefix, never per shard. The model's own indexer
+runs on every rank over that rank's indexer keys (`CrossRankTopK`, a `TorchFunctionMode` entered by the indexer's
+forward hooks, turns its `topk` of the index scores into `merge_topk`): each rank's top-k candidates, in global key
+indices, are gathered by an all-reduce and the top-k of those taken, the same on every rank; the global top-k is
+always among them, so this is exact. In a capture or recompute the owner announces each indexer call (its hidden
+states, query residual and rotary embeddings of one chunk) and the ranks holding earlier shards run the indexer over
+theirs. A serving rank's partial attention applies the last merged selection, as the model's IndexShare layers
+reuse the last computing layer's. Exactly tied index scores (e.g. every key at 0 after a zero query) may be broken
+differently than in one process, as between two chunkings of one process.
+
+Rollouts (`rollout_from_prompt_state`): decoding is one more mode of the same views. Every rank decodes the group's
+rows in lockstep against its shard, each rank keeping the rows' own decoded entries (`Suffix`, counted on rank 0),
+and the sampled tokens of each step are rank 0's (`agree_on_tokens`), so the ranks never drift apart.
+
 Communication (elements all-reduced, per replayed token, per attention layer, `heads` query heads of width `d`,
 `kv_heads` key heads, value width `dv`): forward `heads * (dv + 2)` (the max and the weighted sum with its weight),
-backward `heads * d + kv_heads * (d + dv)` (dq and the own keys' and values' gradients), plus `heads` with sinks.
+backward `heads * d + kv_heads * (d + dv)` (dq and the own keys' and values' gradients), plus `heads` with sinks;
+and per DSA indexer layer `2 * cp * k` (each rank's top-k candidate scores and key indices).
 `COMMUNICATION` counts what actually went through the collectives (benchmarks/context_parallel.py checks one against
 the other).
 
