@@ -149,6 +149,24 @@ def check_rollout(family, cp):
     return results
 
 
+def indexer_communication(cp):
+    """Elements the DSA top-k merge all-reduces over one member's replay, and what the formula says: per replayed
+    token and index-computing layer, `2 * cp * k` (each rank's slot of top-k scores and of key indices)."""
+    family = "glm_moe_dsa"
+    model = build_model(family, seed=0, **OVERRIDES[family])
+    prepare_model(model)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    prompt, completions, lengths, _ = case()
+    engine = ContextParallelEngine(8, 4, context_parallel=cp)
+    state = engine.capture(model, prompt, first_position=0)
+    COMMUNICATION.clear()
+    with torch.no_grad():
+        engine.replay(model, state, prompt[-1:], completions[0], COMPLETION_WIDTH)
+    tokens = COMPLETION_WIDTH + 1  # the last prompt token, then the completion
+    layers = sum(indexer == "full" for indexer in model.config.indexer_types)
+    return COMMUNICATION["indexer"], layers * tokens * 2 * cp.size * OVERRIDES[family]["index_topk"]
+
+
 def chunked_attention_model():
     """Llama 4's chunked attention (not in the support table; refused under context parallelism)."""
     from transformers import AutoModelForCausalLM, Llama4TextConfig
@@ -193,6 +211,7 @@ def run(rank, world_size, init_file, cases, out_dir):
         cp = ContextParallelGroup.of()
         results = {(family, mode): check_family(family, mode, cp) for family, mode in cases}
         results["rollouts"] = {family: check_rollout(family, cp) for family in ROLLOUT_FAMILIES}
+        results["indexer_communication"] = indexer_communication(cp)
         results["short_prompt"] = refusal(cp)
         results["chunked"] = refusal(cp, prompt_length=PROMPT_LENGTH, model=chunked_attention_model())
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -90,6 +90,12 @@ def test_rollouts_from_a_sharded_state_decode_the_single_process_tokens(ranks, f
             assert result["logit_error"] <= 1e-5, sampling
 
 
+def test_the_dsa_merge_sends_two_slots_of_top_k_per_rank_token_and_layer(ranks):
+    for rank in ranks:
+        counted, formula = rank["indexer_communication"]
+        assert counted == formula > 0
+
+
 def test_a_prompt_shorter_than_the_group_is_refused_naming_the_fix(ranks):
     for rank in ranks:
         assert "Lower context_parallel_size" in rank["short_prompt"]
