@@ -73,8 +73,8 @@ def attention_bytes(state, rolling=False):
     )
 
 
-def check_family(family, mode, cp):
-    model = build_model(family, seed=0, **OVERRIDES.get(family, {}))
+def check_family(family, mode, cp, device="cpu"):
+    model = build_model(family, seed=0, **OVERRIDES.get(family, {})).to(device)
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     prompt, completions, lengths, weights = case()
@@ -83,10 +83,12 @@ def check_family(family, mode, cp):
     whole, want_scores, want_logps, want_grads = update(reference, model, prompt, completions, lengths, weights)
     COMMUNICATION.clear()
     state, scores, logps, grads = update(sharded, model, prompt, completions, lengths, weights)
-    flat = torch.cat([g.reshape(-1) for g in grads.values()])
+    flat = torch.cat([g.reshape(-1) for g in grads.values()]).cpu()
     gathered = [torch.empty_like(flat) for _ in range(cp.size)]
     dist.all_gather(gathered, flat)
+    grads, want_grads = ({k: v.cpu() for k, v in g.items()} for g in (grads, want_grads))
     return {
+        "communication_device": str(cp.device),
         "score_error": (scores - want_scores).abs().max().item(),
         "replay_error": max((a - b).abs().max().item() for a, b in zip(logps, want_logps, strict=True)),
         "same_parameters": sorted(grads) == sorted(want_grads),
@@ -111,8 +113,9 @@ def rollouts(engine, model, prompts, rows_per_prompt, config):
 
     width = max(len(p) for p in prompts)
     rows = [p for p in prompts for _ in range(rows_per_prompt)]
-    padded = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=p.dtype), p]) for p in rows])
-    mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]).long() for p in rows])
+    device = prompts[0].device
+    padded = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=p.dtype, device=device), p]) for p in rows])
+    mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]).long() for p in rows]).to(device)
     groups = [
         PromptRows(list(range(i * rows_per_prompt, (i + 1) * rows_per_prompt)), p, engine.capture(model, p, 0))
         for i, p in enumerate(prompts)
@@ -121,17 +124,18 @@ def rollouts(engine, model, prompts, rows_per_prompt, config):
     logits = []
     torch.manual_seed(7)
     tokens = decode(engine, model, groups, padded, sampling, logits)
-    return tokens, torch.stack(logits)
+    return tokens.cpu(), torch.stack(logits).cpu()
 
 
-def check_rollout(family, cp):
+def check_rollout(family, cp, device="cpu"):
     """Greedy and seeded sampling from the sharded state against the same rollouts from one process's state."""
     from transformers import GenerationConfig
 
-    model = build_model(family, seed=0, **OVERRIDES.get(family, {}))
+    model = build_model(family, seed=0, **OVERRIDES.get(family, {})).to(device)
     prepare_model(model)
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 100, (n,), generator=generator) for n in (PROMPT_LENGTH, PROMPT_LENGTH - 6)]
+    prompts = [p.to(device) for p in prompts]
     results = {}
     sampled = {"do_sample": True, "temperature": 0.9, "top_k": 40}
     for name, settings in {"greedy": {"do_sample": False}, "sampled": sampled}.items():
@@ -156,7 +160,7 @@ def indexer_communication(cp):
     model = build_model(family, seed=0, **OVERRIDES[family])
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    prompt, completions, lengths, _ = case()
+    prompt, completions, _, _ = case()
     engine = ContextParallelEngine(8, 4, context_parallel=cp)
     state = engine.capture(model, prompt, first_position=0)
     COMMUNICATION.clear()
@@ -215,6 +219,23 @@ def run(rank, world_size, init_file, cases, out_dir):
         results["short_prompt"] = refusal(cp)
         results["chunked"] = refusal(cp, prompt_length=PROMPT_LENGTH, model=chunked_attention_model())
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_device(rank, world_size, init_file, cases, rollout_families, out_dir, device="cuda"):
+    """The same checks with the models on one device shared by the ranks (CUDA: a one-GPU machine) and gloo: the
+    collectives' tensors cross between the device and the host (`ContextParallelGroup`), fp32 without TF32."""
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        cp = ContextParallelGroup.of()
+        results = {(family, mode): check_family(family, mode, cp, device) for family, mode in cases}
+        results["rollouts"] = {family: check_rollout(family, cp, device) for family in rollout_families}
+        torch.save(results, os.path.join(out_dir, f"{device}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 

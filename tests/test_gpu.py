@@ -93,3 +93,31 @@ def test_greedy_rollout_matches_generate_on_cuda(model_type):
     tokens = decode(engine, model, rows, ids, prepare_sampling(model, config, ids, mask), logits)
     assert torch.equal(tokens, want_tokens)
     assert max(float((a - b).abs().max()) for a, b in zip(logits, want_logits, strict=True)) < 1e-4
+
+
+# Context parallelism on the GPU (one device, shared by both ranks; gloo): a dense, a GatedDeltaNet hybrid and an
+# MLA + DSA model, both gradient modes, and rollouts from the sharded state.
+CONTEXT_PARALLEL_CASES = [("qwen3", "exact"), ("qwen3_5", "detach"), ("glm_moe_dsa", "exact")]
+
+
+def test_context_parallel_ranks_on_cuda_give_the_single_process_results(tmp_path):
+    import os
+
+    import torch.multiprocessing as mp
+
+    from .context_parallel_worker import run_on_device
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    args = (2, str(tmp_path / "init"), CONTEXT_PARALLEL_CASES, ["glm_moe_dsa"], str(tmp_path))
+    mp.start_processes(run_on_device, args=args, nprocs=2, join=True, start_method="spawn")  # CUDA forbids fork
+    ranks = [torch.load(tmp_path / f"cuda-rank{rank}.pt") for rank in range(2)]
+    for family_mode in CONTEXT_PARALLEL_CASES:
+        for rank in ranks:
+            result = rank[family_mode]
+            assert result["communication_device"] == "cpu"  # gloo: the collectives cross to the host and back
+            assert result["score_error"] <= 1e-5 and result["replay_error"] <= 1e-5, family_mode
+            assert result["same_parameters"] and result["rank_difference"] == 0.0, family_mode
+            assert max(result["grad_errors"].values()) <= 1e-4, family_mode
+    for rank in ranks:
+        for sampling, result in rank["rollouts"]["glm_moe_dsa"].items():
+            assert result["same_tokens"] and result["logit_error"] <= 1e-4, sampling
