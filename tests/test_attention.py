@@ -30,9 +30,9 @@ def inputs(dtype, seed=0, value_dim=DIM):
 
 
 def ours(q, prefix_k, prefix_v, own_k, own_v, sinks, visibility, chunk, softcap=None, selection=None):
-    q_positions = torch.arange(PREFIX, PREFIX + TOKENS)
+    q_positions = torch.arange(PREFIX, PREFIX + TOKENS, device=q.device)
     blocks = [
-        (prefix_k, prefix_v, KeyBlock(torch.arange(PREFIX), shared=True, selection=selection)),
+        (prefix_k, prefix_v, KeyBlock(torch.arange(PREFIX, device=q.device), shared=True, selection=selection)),
         (own_k, own_v, KeyBlock(q_positions, shared=False)),
     ]
     return attention_over_blocks(q, blocks, q_positions, 0.3, visibility, chunk, softcap=softcap, sinks=sinks)
@@ -112,16 +112,28 @@ def test_fused_cpu_kernels_agree_with_plain_torch(chunk, sinks):
 
 def test_fused_path_is_taken_for_float32_on_cpu(monkeypatch):
     calls = []
-    kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    kernel = attention._fused_backward_kernel
 
     def counting(*args, **kwargs):
-        calls.append(args[7])  # is_causal
+        calls.append(args[6])  # causal
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(attention, "_fused_backward_kernel", counting)
     q, prefix_k, prefix_v, own_k, own_v, _ = inputs(torch.float32)
     ours(q, prefix_k, prefix_v, own_k, own_v, None, CAUSAL, 64).sum().backward()
     assert sorted(calls) == [False, True]  # the prompt block (all visible) and the own block (square causal)
+
+
+def test_the_cuda_kernel_calls_are_well_formed(monkeypatch):
+    """The CUDA pair (memory-efficient forward and backward) called as `BlockAttention` calls them, on meta tensors
+    (shapes and arguments only: the numbers are checked on a GPU, tests/test_gpu.py). Its log-sum-exp comes padded
+    to a multiple of 32 rows and must be cut to the rows."""
+    query = torch.empty(4, 2, 100, 32, device="meta")
+    key, value = torch.empty(4, 2, 300, 32, device="meta"), torch.empty(4, 2, 300, 32, device="meta")
+    out, lse = attention._fused_forward_kernel(query, key, value, False, 0.2)
+    assert out.shape == query.shape and lse.shape == (4, 2, 100) and lse.dtype == torch.float32
+    dq, dk, dv = attention._fused_backward_kernel(out, query, key, value, out, lse, False, 0.2)
+    assert (dq.shape, dk.shape, dv.shape) == (query.shape, key.shape, value.shape)
 
 
 def test_value_head_narrower_than_the_key_head():

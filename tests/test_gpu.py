@@ -12,6 +12,7 @@ import torch
 from trl_longstraw.embedded import FAMILIES, build_model
 from trl_longstraw.engine import LongStrawEngine
 
+from .test_attention import CAUSAL, inputs, ours
 from .test_engine import case, full_forward, prepared
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -121,3 +122,58 @@ def test_context_parallel_ranks_on_cuda_give_the_single_process_results(tmp_path
     for rank in ranks:
         for sampling, result in rank["rollouts"]["glm_moe_dsa"].items():
             assert result["same_tokens"] and result["logit_error"] <= 1e-4, sampling
+
+
+def _on_cuda(tensors, dtype):
+    return [t.detach().to("cuda", dtype).requires_grad_(True) for t in tensors]
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("chunk", [3, 64])
+def test_fused_cuda_kernels_agree_with_plain_torch(chunk, sinks):
+    """fp32 on CUDA goes through the memory-efficient forward and backward (the prompt block all visible, the own
+    block square causal); float64 on the CPU through plain torch: outputs and every gradient agree."""
+    cuda_inputs, plain_inputs = _on_cuda(inputs(torch.float32), torch.float32), inputs(torch.float64)
+    grad_out = torch.randn(*plain_inputs[0].shape, dtype=torch.float64)
+    results = []
+    for tensors in (cuda_inputs, plain_inputs):
+        sink = tensors[5] if sinks else None
+        out = ours(*tensors[:5], sink, CAUSAL, chunk)
+        out.backward(grad_out.to(out.device, out.dtype))
+        grads = [t.grad for t in tensors[:5]] + ([sink.grad] if sinks else [])
+        results.append([x.double().cpu() for x in [out, *grads]])
+    for fused, plain in zip(*results, strict=True):
+        assert torch.allclose(fused, plain, atol=2e-5, rtol=1e-4), (fused - plain).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_cuda_path_is_taken_and_agrees_with_the_plain_tiles(dtype, monkeypatch):
+    """Both CUDA kernels run (the prompt block, the own causal block), and the plain tiles on the same inputs give
+    the same output and gradients (bf16: to its rounding; both accumulate in fp32)."""
+    from trl_longstraw import attention
+
+    calls = []
+    forward, backward = attention._fused_forward_kernel, attention._fused_backward_kernel
+
+    def counting_forward(*args):
+        calls.append(("forward", args[3]))
+        return forward(*args)
+
+    def counting_backward(*args):
+        calls.append(("backward", args[6]))
+        return backward(*args)
+
+    results = []
+    for fused in (True, False):
+        monkeypatch.setattr(attention, "_fused_forward_kernel", counting_forward)
+        monkeypatch.setattr(attention, "_fused_backward_kernel", counting_backward)
+        if not fused:
+            monkeypatch.setattr(attention, "_fusable", lambda *args: None)
+        tensors = _on_cuda(inputs(torch.float32), dtype)
+        out = ours(*tensors[:5], None, CAUSAL, 64)
+        out.float().square().sum().backward()
+        results.append([x.float().cpu() for x in [out] + [t.grad for t in tensors[:5]]])
+    assert sorted(calls) == [("backward", False), ("backward", True), ("forward", False), ("forward", True)]
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for fused, plain in zip(*results, strict=True):
+        assert torch.allclose(fused, plain, atol=tolerance, rtol=tolerance), (fused - plain).abs().max()

@@ -14,7 +14,9 @@ and log-sum-exp (the ring-attention identity: `dS = P * (dO V^T - rowsum(dO * O)
 nothing but the block, `O` and `lse`), so the fused backward kernels apply to prefix blocks exactly as to a whole
 attention. One algorithm, two kernels per block: PyTorch's fused CPU flash kernels where no per-row mask is needed
 (keys all visible, or a square causal block), plain torch tiles where one is (a window or chunk edge, a DSA top-k
-selection, logit soft-capping, MLA's value head narrower than its key head), and the same plain tiles on CUDA.
+selection, logit soft-capping, MLA's value head narrower than its key head). On CUDA the same two calls go to
+PyTorch's memory-efficient kernels (`_scaled_dot_product_efficient_attention` and its backward, which likewise take
+the global output and log-sum-exp), for fp32, fp16 and bf16.
 Everything accumulates in fp32 (or wider) whatever the autocast state: the function disables autocast inside.
 """
 
@@ -39,8 +41,43 @@ STATE_KWARG = "longstraw_state"
 BACKWARD_ROW_BLOCK = 128
 
 
-_fused_forward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_fused_backward_kernel = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+def _fused_forward_kernel(query, key, value, causal: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(o, lse)` of one key chunk through PyTorch's fused kernels, `[batch, heads, rows, d]` operands: the CPU flash
+    kernel, or on CUDA the memory-efficient kernel (fp32, fp16 and bf16 alike; its log-sum-exp comes padded to a
+    multiple of 32 rows)."""
+    if query.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, scale=scaling
+        )[:2]
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        query, key, value, None, True, 0.0, causal, scale=scaling
+    )[:2]
+    return out, lse[..., : query.shape[2]]
+
+
+def _fused_backward_kernel(d_out, query, key, value, out, lse, causal: bool, scaling: float):
+    """`(dq, dk, dv)` of one key chunk from the *given* `out` and `lse [batch, heads, rows]` (fp32): the merged ones
+    of the whole softmax, not this chunk's. The matching backward of `_fused_forward_kernel`'s kernel."""
+    if query.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            d_out, query, key, value, out, lse, 0.0, causal, scale=scaling
+        )
+    no_dropout = torch.zeros((), dtype=torch.int64, device=query.device)  # philox seed and offset, unread
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        d_out,
+        query,
+        key,
+        value,
+        None,
+        out,
+        lse.contiguous(),
+        no_dropout,
+        no_dropout,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scaling,
+    )[:3]
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -155,9 +192,13 @@ class _Chunk:
 
 
 def _fusable(chunk: _Chunk, q: torch.Tensor, softcap) -> str | None:
-    """Whether PyTorch's fused CPU flash kernels can do this chunk: "all" (every key visible to every row), "causal"
-    (the rows are groups of the key tokens themselves: a square causal mask per group), or None."""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+    """Whether PyTorch's fused kernels can do this chunk: "all" (every key visible to every row), "causal" (the rows
+    are groups of the key tokens themselves: a square causal mask per group), or None. CPU: the flash kernel, fp32
+    and bf16; CUDA: the memory-efficient kernel, fp32, fp16 and bf16, head widths a multiple of 8 (its alignment)."""
+    if q.device.type == "cpu":
+        if q.dtype not in (torch.float32, torch.bfloat16):
+            return None
+    elif q.device.type != "cuda" or q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or q.shape[-1] % 8:
         return None
     if chunk.selection is not None or softcap is not None or chunk.values.shape[-1] != q.shape[-1]:
         return None  # a per-row selection; soft-capping; MLA's value head differs from its key head
@@ -194,7 +235,7 @@ def _chunk_forward(q, chunk: _Chunk, scaling, softcap) -> tuple[torch.Tensor, to
     kind = _fusable(chunk, q, softcap)
     if kind is not None:
         query, key, value, causal = _fused_operands(kind, q, chunk)
-        out, lse = _fused_forward_kernel(query, key, value, 0.0, causal, scale=scaling)[:2]
+        out, lse = _fused_forward_kernel(query, key, value, causal, scaling)
         return out.reshape(q.shape[0], q.shape[1], -1).to(acc), lse.reshape(q.shape[0], q.shape[1]).to(acc)
     scores = torch.matmul(q.to(acc), chunk.keys.to(acc).transpose(1, 2)).mul_(scaling)
     if softcap is not None:  # Gemma 2: softcap * tanh(scores / softcap)
@@ -224,9 +265,8 @@ def _chunk_backward(d_out, q, o, lse, d_row, chunk: _Chunk, scaling, softcap, ne
             value,
             o.to(q.dtype).reshape(*shape, -1),
             lse.to(torch.float32).reshape(shape),
-            0.0,
             causal,
-            scale=scaling,
+            scaling,
         )
         if kind == "causal":  # the keys were expanded over the row groups: sum their gradients back
             dk, dv = dk.sum(1), dv.sum(1)
