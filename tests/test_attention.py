@@ -164,13 +164,20 @@ def test_merge_by_lse_keeps_rows_that_saw_no_key_at_zero():
     assert torch.all(merged == 0) and torch.all(torch.isneginf(lse))
 
 
-def test_bf16_under_autocast_accumulates_like_fp32():
-    """The function disables autocast inside and accumulates in fp32: bf16 inputs give the fp32 result to bf16
-    rounding of the inputs, not of every intermediate."""
-    fp32 = inputs(torch.float32)
+def test_bf16_under_autocast_accumulates_like_fp32(device="cpu"):
+    """The function disables autocast inside, forward and backward, and accumulates in fp32: bf16 inputs give the
+    fp32 output and gradients to bf16 rounding of the inputs, not of every intermediate (tests/test_gpu.py runs this
+    under CUDA autocast)."""
+    fp32 = [t.detach().to(device).requires_grad_(True) for t in inputs(torch.float32)]
     bf16 = [t.detach().to(torch.bfloat16).requires_grad_(True) for t in fp32]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         got = ours(*bf16[:5], bf16[5], CAUSAL, 4)
-    want = ours(*[t.detach().to(torch.bfloat16).float() for t in fp32[:5]], fp32[5].detach(), CAUSAL, 4)
+        got.float().square().sum().backward()
+    rounded = [t.detach().to(torch.bfloat16).float().requires_grad_(True) for t in fp32]
+    want = ours(*rounded[:5], rounded[5], CAUSAL, 4)
+    want.square().sum().backward()
     assert got.dtype == torch.bfloat16
     assert (got.float() - want).abs().max() <= 1e-2
+    for ours_bf16, fp32_of_rounded in zip(bf16, rounded, strict=True):
+        scale = fp32_of_rounded.grad.abs().max()
+        assert (ours_bf16.grad.float() - fp32_of_rounded.grad).abs().max() <= 2e-2 * scale

@@ -13,6 +13,7 @@ from trl_longstraw.embedded import FAMILIES, build_model
 from trl_longstraw.engine import LongStrawEngine
 
 from .test_attention import CAUSAL, inputs, ours
+from .test_attention import test_bf16_under_autocast_accumulates_like_fp32 as bf16_autocast_check
 from .test_engine import case, full_forward, prepared
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -177,3 +178,7 @@ def test_fused_cuda_path_is_taken_and_agrees_with_the_plain_tiles(dtype, monkeyp
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for fused, plain in zip(*results, strict=True):
         assert torch.allclose(fused, plain, atol=tolerance, rtol=tolerance), (fused - plain).abs().max()
+
+
+def test_bf16_under_cuda_autocast_accumulates_like_fp32():
+    bf16_autocast_check("cuda")
