@@ -264,12 +264,13 @@ class CrossRankTopK(TorchFunctionMode):
     def __init__(self, state: ShardedPromptState, key_index: torch.Tensor, k: int):
         super().__init__()
         self.state, self.key_index, self.k = state, key_index, k
+        self.merged = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is not torch.Tensor.topk:
+        if func not in (torch.Tensor.topk, torch.topk):
             return func(*args, **(kwargs or {}))
         values, indices = merge_topk(args[0], self.key_index, self.k, self.state.cp)
-        self.state.selection = indices
+        self.state.selection, self.merged = indices, True
         return torch.return_types.topk((values, indices))
 
 
@@ -819,7 +820,14 @@ class ShardedPromptState(PromptState):
         self._topk[-1].__enter__()
 
     def _indexer_returned(self, module, args, output) -> None:
-        self._topk.pop().__exit__(None, None, None)
+        topk = self._topk.pop()
+        topk.__exit__(None, None, None)
+        if not topk.merged:  # the other ranks would wait in the merge: fail loudly rather than select per shard
+            raise ContextParallelError(
+                f"The DSA indexer of layer {module.layer_idx} ({type(module).__name__}) returned without a torch.topk "
+                "of its index scores, which context parallelism merges across ranks: this transformers version's "
+                "indexer is not supported under context parallelism. Set context_parallel_size=1."
+            )
 
     def announce_indexer(self, layer_idx: int, k: int, *inputs: torch.Tensor) -> None:
         announcement = torch.zeros(_ANNOUNCEMENT, dtype=torch.float64, device=self.cp.device)
