@@ -14,11 +14,11 @@ real allocations in tests/test_accounting.py); the working set is an estimate. N
 
 Per context-parallel rank (`--context-parallel N`, or `--recipe PATH@P`, which reads the model, LoRA, chunk sizes,
 completion length, G and `context_parallel_size` from a recipe YAML at P prompt positions): what CP shards by
-sequence (full-attention K/V pages, MLA latent pages) is counted for the largest shard of the captured tokens
-(`context_parallel.shard_bounds`), what it replicates (GatedDeltaNet / Mamba2 conv and recurrent states, fixed size)
-in full on every rank; every rank holds the whole model and the adapters with their optimizer state, and its working
-set is one process's (every rank replays each member through every layer; a serving rank holds one chunk of another
-rank's queries). Layer kinds CP refuses (sliding-window / chunked attention, DSA indexer keys) mark a row refused.
+sequence (full-attention K/V pages, MLA latent pages, DSA indexer keys) is counted for the largest shard of the
+captured tokens (`context_parallel.shard_bounds`), what it replicates (GatedDeltaNet / Mamba2 conv and recurrent states
+and sliding windows, fixed size) in full on every rank; every rank holds the whole model and the adapters with their
+optimizer state, and its working set is one process's (every rank replays each member through every layer; a serving
+rank holds one chunk of another rank's queries). Layer kinds CP refuses (chunked attention) mark a row refused.
 """
 
 from __future__ import annotations
@@ -147,8 +147,8 @@ def breakdown(name: str, label: str, account: UpdateAccount) -> str:
 
 # State labels (`LayerState.account`) context parallelism shards by sequence, and those it refuses; every other
 # label (gated_deltanet, mamba2: fixed-size recurrent states) is replicated on every rank.
-SHARDED_UNDER_CP = ("full_attention", "mla_latent")
-REFUSED_UNDER_CP = ("sliding_attention", "chunked_attention", "dsa_indexer_keys")
+SHARDED_UNDER_CP = ("full_attention", "mla_latent", "dsa_indexer_keys")
+REFUSED_UNDER_CP = ("chunked_attention",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,16 +323,6 @@ def main() -> None:
         account = update_account(load_config(str(path)), setup)
         accounts.append((f"`{path.name}`", label, account))
         print(table_row(f"`{path.name}`", label, account))
-    for name, label, account in accounts:
-        indexer = account.working_set.indexer
-        if indexer:
-            without = account.device_bytes - indexer
-            print(
-                f"\n{name} ({label}): the working set is transformers' DSA indexer scoring every token of a chunk "
-                f"against all P keys at once ({gib(indexer)} GiB, not chunked). Without that term the device side is "
-                f"{gib(without)} GiB: >= {math.ceil(without / GIB / H200_USABLE_GIB)} H200s of memory (the weights split "
-                "over them with device_map), the state in host memory."
-            )
     if args.breakdown:
         print()
         for name, label, account in accounts:

@@ -377,9 +377,10 @@ def replay_graph_account(
     back-propagated, in flight). attention_tiles: the prefix attention visits the prompt in chunks of
     `attention_chunk_size` keys, each a `[heads, R + 1, chunk]` fp32 score tile and its exponent (two alive at once
     on the plain-torch path; a fused kernel keeps less). lm_head: TRL's fused head, `[min(R, 4096), 32768]` logits
-    tiles in the compute dtype plus the fp32 gradient of `[R, hidden]`. indexer: transformers' DSA indexer scores
-    every replayed token against all P + R keys, `[R + 1, index_heads, P + R + 1]` fp32 scores and their ReLU, plus
-    `[R + 1, P + R + 1]` index scores (fp32) and mask (bool), without chunking.
+    tiles in the compute dtype plus the fp32 gradient of `[R, hidden]`. indexer: the DSA indexer's scores of the
+    replayed tokens against their own keys and, alive beside them, against one block of `attention_chunk_size`
+    prompt keys (state/dsa.py): `[R + 1, index_heads, keys]` fp32 scores and their ReLU, plus `[R + 1, keys]` index
+    scores (fp32) and mask (bool), for both.
     """
     return _graph_account(
         config,
@@ -403,7 +404,8 @@ def capture_chunk_account(
 ) -> GraphAccount:
     """ESTIMATE of one no-grad capture chunk's transient tensors: about 3 x (the widest linear output) + 3 x hidden
     per token (a gated MLP's gate, up and product beside the residual stream), the attention tiles of its
-    `prefill_chunk_size` queries over one key chunk, and the DSA indexer's scores against the whole prompt so far."""
+    `prefill_chunk_size` queries over one key chunk, and the DSA indexer's scores against the chunk's own keys and one
+    block of prompt keys."""
     return _graph_account(
         config,
         min(prefill_chunk_size, prompt_tokens),
@@ -433,7 +435,8 @@ def _graph_account(
     heads, index_heads = _attention_geometry(plans, text_config)
     keys = prompt_tokens + (tokens if grad else 0)
     tiles = 2 * heads * tokens * min(attention_chunk_size, max(keys, 1)) * FP32_BYTES
-    indexer = index_heads and tokens * keys * (2 * index_heads * FP32_BYTES + FP32_BYTES + 1)
+    indexer_keys = tokens + min(attention_chunk_size, max(prompt_tokens, 1))  # own keys + one block of the prompt's
+    indexer = index_heads and tokens * indexer_keys * (2 * index_heads * FP32_BYTES + FP32_BYTES + 1)
     if not grad:  # no autograd: the widest transient of one layer, not what a backward would need
         widest = max(
             (m.out_features for layer in layers for m in layer.modules() if isinstance(m, nn.Linear)), default=hidden

@@ -65,16 +65,13 @@ with NCCL and the model on CUDA nothing is copied, with gloo and the model on CP
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
 from .attention import (
     CAUSAL,
@@ -235,53 +232,24 @@ def merge_across(out: torch.Tensor, lse: torch.Tensor, cp: ContextParallelGroup)
 
 
 def merge_topk(
-    scores: torch.Tensor, key_index: torch.Tensor, k: int, cp: ContextParallelGroup
+    candidates: tuple[torch.Tensor, torch.Tensor] | None, like: torch.Tensor, k: int, cp: ContextParallelGroup
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top-`k` of every rank's DSA index scores, from this rank's `scores [batch, tokens, keys]` whose columns are
-    the global keys `key_index [keys]` (`-1`: a column this rank does not count): each rank's own top-k candidates
-    (the global top-k is among them), gathered by an all-reduce of per-rank slots, and the top-k of those. Returns
-    `(values, global key indices)`, the same on every rank; where fewer than `k` keys exist, index `-1` pads."""
-    scores = scores.masked_fill(key_index < 0, float("-inf"))
-    local = min(k, scores.shape[-1])
-    values, picked = scores.topk(local, dim=-1)
-    slots = torch.zeros((cp.size, *scores.shape[:2], k), dtype=scores.dtype, device=scores.device)
-    ids = torch.zeros(slots.shape, dtype=torch.int64, device=scores.device)
+    """The top-`k` of every rank's DSA index scores, from this rank's top-k `candidates` (scores and global key
+    indices `[batch, tokens, <= k]`, or None: no key here; `like` gives the shape's batch and tokens): each rank's
+    candidates in its slot of an all-reduce, then the top-k of all of them, the same on every rank (the global top-k
+    is among the ranks' top-k). Where fewer than `k` keys exist, index `-1` pads."""
+    shape = (cp.size, *like.shape[:2], k)
+    slots = torch.zeros(shape, dtype=torch.float32, device=like.device)
+    ids = torch.zeros(shape, dtype=torch.int64, device=like.device)
     slots[cp.rank], ids[cp.rank] = float("-inf"), -1
-    slots[cp.rank, ..., :local], ids[cp.rank, ..., :local] = values, key_index[picked]
+    if candidates is not None:
+        values, indices = candidates
+        slots[cp.rank, ..., : values.shape[-1]], ids[cp.rank, ..., : values.shape[-1]] = values, indices
     slots = cp.all_reduce(slots, kind="indexer")  # every slot has one contributor, the others add zeros
     ids = cp.all_reduce(ids, kind="indexer")
-    candidates = slots.permute(1, 2, 0, 3).reshape(*scores.shape[:2], -1)
-    values, best = candidates.topk(k, dim=-1)
-    return values, ids.permute(1, 2, 0, 3).reshape(candidates.shape).gather(-1, best)
-
-
-class CrossRankTopK(TorchFunctionMode):
-    """Active during one DSA indexer forward (the model's own code, over this rank's keys): its `topk` of the index
-    scores becomes `merge_topk`, the top-k over every rank's keys, in global key indices. The merged indices are also
-    kept as the state's `selection` (a serving rank's partial attention applies the last one, as the model's
-    IndexShare layers reuse the last computing layer's)."""
-
-    def __init__(self, state: ShardedPromptState, key_index: torch.Tensor, k: int):
-        super().__init__()
-        self.state, self.key_index, self.k = state, key_index, k
-        self.merged = False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func not in (torch.Tensor.topk, torch.topk):
-            return func(*args, **(kwargs or {}))
-        values, indices = merge_topk(args[0], self.key_index, self.k, self.state.cp)
-        self.state.selection, self.merged = indices, True
-        return torch.return_types.topk((values, indices))
-
-
-class _ServedIndexerKeys:
-    """The Cache a serving rank hands an owner's indexer call: this rank's indexer keys, whatever the call's own."""
-
-    def __init__(self, keys: torch.Tensor):
-        self.keys = keys
-
-    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        return self.keys
+    merged = slots.permute(1, 2, 0, 3).reshape(*like.shape[:2], -1)
+    values, best = merged.topk(k, dim=-1)
+    return values, ids.permute(1, 2, 0, 3).reshape(merged.shape).gather(-1, best)
 
 
 def _empty_partial(q: torch.Tensor, value_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -673,8 +641,7 @@ class ShardedPromptState(PromptState):
         )
         self._whole = (num_tokens, start_position)
         self.chunk_offset = 0
-        self.selection: torch.Tensor | None = None  # the last merged DSA top-k (`CrossRankTopK`)
-        self._topk: list[CrossRankTopK] = []
+        self.selection: torch.Tensor | None = None  # the last merged DSA top-k (`finish_selection`)
         self._refuse_unsharded_layers()
         views = {AttentionPages: ShardedAttention, LatentPages: ShardedLatentAttention}
         self._views = {
@@ -766,7 +733,7 @@ class ShardedPromptState(PromptState):
             if phase == _END_OF_SHARD:
                 return
             if phase == _INDEXER:
-                self.serve_indexer(layer_idx, owner, int(rest[0]), device)
+                self.serve_indexer(layer_idx, owner, int(rest[0]), chunk_size, device)
                 continue
             view = by_layer[layer_idx]
             if phase == _BACKWARD:
@@ -787,47 +754,21 @@ class ShardedPromptState(PromptState):
             if phase == _RECOMPUTE:
                 kept[layer_idx] = served
 
-    # -- DSA: the top-k over every rank's indexer keys ---------------------------------------------------------------
-    @contextmanager
-    def selecting_across_ranks(self) -> Iterator[None]:
-        """While the model runs one forward over this state: each DSA indexer's top-k over this rank's keys becomes
-        the top-k over every rank's (`CrossRankTopK`, entered and left by the indexer's forward hooks); an owned
-        capture or recompute chunk announces each indexer call, which the serving ranks answer (`serve_indexer`)."""
-        handles = []
-        for layer in self.layers:
-            if isinstance(layer, IndexerKeys):
-                handles.append(layer.mixer.register_forward_pre_hook(self._indexer_called, with_kwargs=True))
-                handles.append(layer.mixer.register_forward_hook(self._indexer_returned, always_call=True))
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
+    # -- DSA: the top-k over every rank's indexer keys (state/dsa.py selects within a rank) ------------------------
+    def own_keys(self, access, own_index: torch.Tensor) -> torch.Tensor:
+        if access.mode in ("read", "decode") and self.cp.rank != 0:  # every rank runs the rows: rank 0 counts them
+            return torch.full_like(own_index, -1)
+        return own_index
 
-    def _indexer_called(self, module, args, kwargs) -> None:
-        call = inspect.signature(module.forward).bind(*args, **kwargs).arguments
-        access, hidden = call["cache"], call["hidden_states"]
-        local = self.local_prefix(access.prefix_length)
-        own = hidden.shape[1] + (access.suffix.length if access.suffix is not None else 0)  # decoding: and earlier
-        k = min(module.index_topk, access.prefix_length + own)  # as the indexer would over the whole prefix
-        key_index = torch.arange(self.shard[0], self.shard[0] + local + own, device=hidden.device)
-        if access.mode in ("read", "decode"):  # every rank runs the rows: rank 0 counts their keys, after the prompt
-            own_index = torch.arange(access.prefix_length, access.prefix_length + own, device=hidden.device)
-            key_index[local:] = own_index if self.cp.rank == 0 else -1
-        else:  # an owned chunk: the serving ranks score their keys against its indexer queries
-            self.announce_indexer(module.layer_idx, k, hidden, call["q_resid"], *call["position_embeddings"])
-        self._topk.append(CrossRankTopK(self, key_index, k))
-        self._topk[-1].__enter__()
+    def before_selection(self, module, access, call: dict, k: int) -> None:
+        if access.mode in ("capture", "recompute"):  # an owned chunk: the serving ranks score their keys too
+            inputs = (call["hidden_states"], call["q_resid"], *call["position_embeddings"])
+            self.announce_indexer(module.layer_idx, k, *inputs)
 
-    def _indexer_returned(self, module, args, output) -> None:
-        topk = self._topk.pop()
-        topk.__exit__(None, None, None)
-        if not topk.merged:  # the other ranks would wait in the merge: fail loudly rather than select per shard
-            raise ContextParallelError(
-                f"The DSA indexer of layer {module.layer_idx} ({type(module).__name__}) returned without a torch.topk "
-                "of its index scores, which context parallelism merges across ranks: this transformers version's "
-                "indexer is not supported under context parallelism. Set context_parallel_size=1."
-            )
+    def finish_selection(self, candidates, k: int):
+        values, indices = merge_topk(candidates, candidates[0], k, self.cp)
+        self.selection = indices
+        return values, indices
 
     def announce_indexer(self, layer_idx: int, k: int, *inputs: torch.Tensor) -> None:
         announcement = torch.zeros(_ANNOUNCEMENT, dtype=torch.float64, device=self.cp.device)
@@ -836,27 +777,17 @@ class ShardedPromptState(PromptState):
         for tensor in inputs:
             self.cp.broadcast_tensor(tensor.contiguous(), self.cp.rank, kind="capture")
 
-    def serve_indexer(self, layer_idx: int, owner: int, k: int, device: torch.device) -> None:
-        """Another rank's indexer call: the model's indexer over this rank's keys (those before the owner's chunk:
-        all of an earlier shard's, none of a later one's), merged into the top-k on every rank."""
+    def serve_indexer(self, layer_idx: int, owner: int, k: int, chunk_size: int, device: torch.device) -> None:
+        """Another rank's indexer call: the model's indexer over this rank's keys before the owner's chunk (all of an
+        earlier shard's, none of a later one's), block by block, merged into the top-k on every rank."""
         hidden, q_resid, cos, sin = (
             self.cp.broadcast_tensor(None, owner, kind="capture").to(device) for _ in range(4)
         )
         layer = self.of_layer(layer_idx, IndexerKeys)
-        keys = layer.keys.read() if self.cp.rank < owner else None
-        if keys is None:
-            self.selection = merge_topk(
-                hidden.new_empty((*hidden.shape[:2], 0), dtype=torch.float32),
-                torch.empty(0, dtype=torch.int64, device=device),
-                k,
-                self.cp,
-            )[1]
-            return
-        keys = self.geometry.placement.stage(keys, device)
-        key_index = torch.arange(self.shard[0], self.shard[0] + keys.shape[1], device=device)
-        visible = torch.ones((*hidden.shape[:2], keys.shape[1]), dtype=torch.bool, device=device)
-        with CrossRankTopK(self, key_index, k):
-            layer.mixer(hidden, q_resid, (cos, sin), visible, None, cache=_ServedIndexerKeys(keys))
+        call = {"hidden_states": hidden, "q_resid": q_resid, "position_embeddings": (cos, sin)}
+        limit = layer.keys.length if self.cp.rank < owner else 0
+        candidates = layer.prompt_candidates(call, None, k, limit, chunk_size, self.shard[0])
+        self.selection = merge_topk(candidates, hidden, k, self.cp)[1]
 
     # -- recurrent layers: the sequential hand-off ---------------------------------------------------------------------
     def recurrent_layers(self) -> list[ConvRecurrentState]:
@@ -917,18 +848,6 @@ class ContextParallelEngine(LongStrawEngine):
     @property
     def sharded(self) -> bool:
         return self.context_parallel is not None and self.context_parallel.size > 1
-
-    def _backbone_forward(self, model, state, mode, token_ids, start, chunk_index):
-        with _selecting_across_ranks(state):
-            return super()._backbone_forward(model, state, mode, token_ids, start, chunk_index)
-
-    def _member_forward(self, model, state, last_prompt_token, completions, lengths):
-        with _selecting_across_ranks(state):
-            return super()._member_forward(model, state, last_prompt_token, completions, lengths)
-
-    def decode(self, model, state, suffix, token_ids):
-        with _selecting_across_ranks(state):
-            return super().decode(model, state, suffix, token_ids)
 
     def agree_on_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """A rollout step's tokens, rank 0's on every rank of the CP group (they decode the same rows in lockstep)."""
@@ -1017,15 +936,6 @@ class ContextParallelEngine(LongStrawEngine):
                 if owner > 0:
                     state.send_recurrent_gradients(owner - 1)
         sum_added_gradients(params, before, cp)
-
-
-@contextmanager
-def _selecting_across_ranks(state: PromptState) -> Iterator[None]:
-    if isinstance(state, ShardedPromptState):
-        with state.selecting_across_ranks():
-            yield
-    else:
-        yield
 
 
 def sum_added_gradients(params, before, cp: ContextParallelGroup) -> None:

@@ -3,18 +3,114 @@
 An index-computing layer keeps its indexer keys (`index_head_dim` per token). No gradient flows through them:
 transformers' indexer runs under `no_grad`, and the selection it makes is discrete. IndexShare layers (GLM-5's
 `indexer_types == "shared"`) have no indexer module and reuse the previous computing layer's selection, which the
-model passes between layers itself, so they keep nothing here. The indexer reaches its keys through the Cache API
-(`update_indexer`) and scores its queries against a mask spanning prompt + forward, so forwards present the prompt's
-length to the model's masks (`extends_masks`).
+model passes between layers itself, so they keep nothing here.
+
+The selection is the model's own indexer, never a re-implementation of its scoring, but it never scores a token
+against the whole prompt at once (transformers' indexer would hold `[tokens, index_heads, P]` fp32 scores: 4 TiB for
+a GLM-5 capture chunk at 2M positions). A forward's indexer call sees only the forward's own keys (the Cache API's
+`update_indexer` hands back no prompt key, and the masks span the own keys only); its `topk` of those scores is
+intercepted ([`IndexerSelection`], a `TorchFunctionMode` entered by the indexer's forward hooks) and becomes the top-k
+over the prompt's keys too: the indexer's `forward` runs again over the prompt's keys block by block
+(`attention_chunk_size` keys, staged from host memory where the state lives there), each block's top-k candidates
+merged with the running best. The top-k of the whole prefix is always among the blocks' top-k candidates, so this is
+exact; exactly tied index scores may be broken differently than one `topk` over everything (as between two
+chunkings). The transient is `[tokens, index_heads, attention_chunk_size]`. Under context parallelism each rank does
+this over its shard and the candidates are merged across ranks (`context_parallel.py`).
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .mla import is_multi_head_latent_attention
 from .placement import Pages
 from .registry import LayerAccount, LayerState, register_state_kind
+
+_TOPK = (torch.Tensor.topk, torch.topk)
+
+
+def merge_candidates(
+    best: tuple[torch.Tensor, torch.Tensor] | None, new: tuple[torch.Tensor, torch.Tensor], k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-`k` of two sets of `(scores, global key indices)` candidates `[batch, tokens, n]`."""
+    if best is None:
+        return new
+    values, ids = torch.cat([best[0], new[0]], dim=-1), torch.cat([best[1], new[1]], dim=-1)
+    values, which = values.topk(min(k, values.shape[-1]), dim=-1)
+    return values, ids.gather(-1, which)
+
+
+class _BlockKeys:
+    """The Cache an indexer call over one block of the prompt's keys gets: that block, whatever the call's own."""
+
+    def __init__(self, keys: torch.Tensor):
+        self.keys = keys
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        return self.keys
+
+
+class _BlockCandidates(TorchFunctionMode):
+    """Active during one indexer call over a block of keys: keeps its top-k (scores and global key indices)."""
+
+    def __init__(self, k: int, key_index: torch.Tensor):
+        super().__init__()
+        self.k, self.key_index = k, key_index
+        self.candidates: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func not in _TOPK:
+            return func(*args, **(kwargs or {}))
+        scores = args[0]
+        values, picked = scores.topk(min(self.k, scores.shape[-1]), dim=-1)
+        self.candidates = (values, self.key_index[picked])
+        return torch.return_types.topk((values, picked))
+
+
+def indexer_call(indexer, args, kwargs) -> dict:
+    """The arguments of one call of a DSA indexer's `forward`, by name (`hidden_states`, `q_resid`,
+    `position_embeddings`, `attention_mask`, `cache`, ...)."""
+    return inspect.signature(indexer.forward).bind(*args, **kwargs).arguments
+
+
+def block_candidates(indexer, call: dict, keys: torch.Tensor, key_index: torch.Tensor, k: int):
+    """The top-`k` candidates among `keys [1, n, index_head_dim]` (global indices `key_index`, every key visible to
+    every query) for the queries of one indexer `call`: the indexer's own `forward` over them."""
+    hidden = call["hidden_states"]
+    visible = torch.ones((*hidden.shape[:2], keys.shape[1]), dtype=torch.bool, device=hidden.device)
+    mode = _BlockCandidates(k, key_index)
+    with mode:
+        indexer.forward(hidden, call["q_resid"], call["position_embeddings"], visible, None, cache=_BlockKeys(keys))
+    if mode.candidates is None:
+        raise RuntimeError(_NO_TOPK.format(indexer=type(indexer).__name__, layer=indexer.layer_idx))
+    return mode.candidates
+
+
+_NO_TOPK = (
+    "The DSA indexer of layer {layer} ({indexer}) returned without a torch.topk of its index scores, which LongStraw "
+    "extends over the prompt's keys: this transformers version's indexer is not supported."
+)
+
+
+class IndexerSelection(TorchFunctionMode):
+    """Active during one indexer call of the model (entered and left by the indexer's forward hooks, see
+    `PromptState.selecting`): its `topk` of the index scores of the forward's own keys becomes the top-k over the
+    prompt's keys and the own keys (`IndexerKeys.select`), in global key indices (the prompt's tokens first)."""
+
+    def __init__(self, layer: IndexerKeys, access, call: dict, own_index: torch.Tensor, k: int):
+        super().__init__()
+        self.layer, self.access, self.call, self.own_index, self.k = layer, access, call, own_index, k
+        self.selected = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func not in _TOPK:
+            return func(*args, **(kwargs or {}))
+        values, ids = self.layer.select(self.access, self.call, args[0], self.own_index, self.k)
+        self.selected = True
+        return torch.return_types.topk((values, ids))
 
 
 @register_state_kind
@@ -46,17 +142,33 @@ class IndexerKeys(LayerState):
 
     @torch.no_grad()
     def extend(self, access, keys: torch.Tensor) -> torch.Tensor:
-        """The indexer's keys for this forward: the prompt's, then this forward's own `keys [batch, tokens, dim]`.
-
-        During capture this forward's keys are written into the pages and a view is returned (no copy); a replay
-        gets a transient concatenation, since members of a batch differ after the prompt.
-        """
+        """The indexer keys the model's indexer scores in this forward: its own `keys [batch, tokens, dim]` (decoding:
+        after the rows' earlier ones), never the prompt's, which `select` visits block by block. A capture also
+        writes them into the pages."""
         if access.mode == "capture":
             self.keys.append(keys[:1])
-            return self.keys.read().to(keys.device)
-        keys = access.own_entries(self, "keys", keys, dim=1)  # decoding: the rows' earlier indexer keys first
-        prefix = self.keys.read(access.state.local_prefix(access.prefix_length))
-        if prefix is None:
             return keys
-        prefix = self.prompt.placement.stage(prefix, keys.device)
-        return torch.cat([prefix.expand(keys.shape[0], -1, -1), keys], dim=1)
+        return access.own_entries(self, "keys", keys, dim=1)
+
+    @torch.no_grad()
+    def select(self, access, call: dict, own_scores: torch.Tensor, own_index: torch.Tensor, k: int):
+        """The top-`k` `(scores, global key indices)` of one indexer call over the prompt's keys before this forward
+        (this process's: `PromptState.local_prefix`) and the own keys the model scored (`own_scores`, columns
+        `own_index`; `-1`: not counted here), finished by the state (`PromptState.finish_selection`)."""
+        own_scores = own_scores.masked_fill(own_index < 0, float("-inf"))
+        values, picked = own_scores.topk(min(k, own_scores.shape[-1]), dim=-1)
+        first = self.prompt.start_position - access.state.start_position  # global index of this process's page 0
+        limit = access.state.local_prefix(access.prefix_length)
+        best = self.prompt_candidates(call, (values, own_index[picked]), k, limit, access.attention_chunk_size, first)
+        return access.state.finish_selection(best, k)
+
+    def prompt_candidates(self, call: dict, best, k: int, limit: int, block: int, first: int):
+        """`best` (or nothing) merged with the top-`k` candidates of the first `limit` pages (global key indices from
+        `first`) for the queries of indexer `call`, block by block of `block` keys."""
+        device = call["hidden_states"].device
+        for start in range(0, limit, block):
+            end = min(start + block, limit)
+            keys = self.prompt.placement.stage(self.keys.read(end)[:, start:end], device)
+            key_index = torch.arange(first + start, first + end, device=device)
+            best = merge_candidates(best, block_candidates(self.mixer, call, keys, key_index, k), k)
+        return best

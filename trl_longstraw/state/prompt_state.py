@@ -13,7 +13,7 @@ from typing import Literal
 import torch
 from transformers.cache_utils import Cache
 
-from .dsa import IndexerKeys
+from .dsa import IndexerKeys, IndexerSelection, indexer_call
 from .placement import Placement
 from .recurrent import ConvRecurrentState
 from .registry import LayerPlan, LayerState, PromptGeometry
@@ -57,6 +57,9 @@ class PromptState:
             kind(mixer, plan.layer_idx, plan.layer_type, self.geometry) for plan in plans for kind, mixer in plan.kinds
         ]
         self._by_mixer = {id(layer.mixer): layer for layer in self.layers}
+        for layer in self.layers:
+            if isinstance(layer, IndexerKeys):
+                _add_selection_hooks(layer.mixer)
         self.extends_masks = any(type(layer).extends_masks for layer in self.layers)
 
     @property
@@ -73,8 +76,20 @@ class PromptState:
 
     def local_prefix(self, prefix_length: int) -> int:
         """How many of the first `prefix_length` captured tokens this process holds (all of them; a shard under
-        context parallelism holds its own): the prefix its indexer keys and the masks presented to the model span."""
+        context parallelism holds its own)."""
         return prefix_length
+
+    # -- DSA: the indexer's top-k over the prompt's keys (state/dsa.py) ---------------------------------------------
+    def own_keys(self, access: StateAccess, own_index: torch.Tensor) -> torch.Tensor:
+        """The global key indices of the own keys this process counts in a selection (all of them here)."""
+        return own_index
+
+    def before_selection(self, module, access: StateAccess, call: dict, k: int) -> None:
+        """Called as an indexer call starts, before the model scores anything (context parallelism announces it)."""
+
+    def finish_selection(self, candidates: tuple[torch.Tensor, torch.Tensor], k: int):
+        """This process's top-k candidates `(scores, global key indices)` become the selection (here: as they are)."""
+        return candidates
 
     def for_mixer(self, module: torch.nn.Module) -> LayerState:
         layer = self._by_mixer.get(id(module))
@@ -134,6 +149,46 @@ class PromptState:
         return self
 
 
+def _add_selection_hooks(indexer: torch.nn.Module) -> None:
+    """Hook a DSA indexer once (idempotent) so that, in a forward carrying a `StateAccess` as its cache, its top-k
+    covers the prompt's keys (`IndexerSelection`); any other forward (stock generation, evaluation) runs untouched.
+    The hooks stay: an activation-checkpointed layer re-runs its indexer during the backward, with the same access."""
+    if getattr(indexer, "_longstraw_selection_hooks", False):
+        return
+    indexer.register_forward_pre_hook(_indexer_called, with_kwargs=True)
+    indexer.register_forward_hook(_indexer_returned, with_kwargs=True, always_call=True)
+    indexer._longstraw_selection_hooks = True
+
+
+def _indexer_called(module, args, kwargs) -> None:
+    call = indexer_call(module, args, kwargs)
+    access = call.get("cache")
+    if not isinstance(access, StateAccess):
+        return
+    state, hidden = access.state, call["hidden_states"]
+    own = hidden.shape[1] + (access.suffix.length if access.suffix is not None else 0)
+    k = min(module.index_topk, access.prefix_length + own)  # as the indexer would over the prompt's and own keys
+    own_index = torch.arange(access.prefix_length, access.prefix_length + own, device=hidden.device)
+    selection = IndexerSelection(state.for_mixer(module), access, call, state.own_keys(access, own_index), k)
+    state.before_selection(module, access, call, k)
+    access.selections.append(selection)
+    selection.__enter__()
+
+
+def _indexer_returned(module, args, kwargs, output) -> None:
+    access = indexer_call(module, args, kwargs).get("cache")
+    if not isinstance(access, StateAccess) or not access.selections:
+        return
+    selection = access.selections.pop()
+    selection.__exit__(None, None, None)
+    if not selection.selected:
+        raise RuntimeError(
+            f"The DSA indexer of layer {module.layer_idx} ({type(module).__name__}) returned without a torch.topk of "
+            "its index scores, which LongStraw extends over the prompt's keys: this transformers version's indexer "
+            "is not supported."
+        )
+
+
 class StateAccess(Cache):
     """What one forward carries to reach the prompt state: the `longstraw_state=` kwarg and the `cache=`.
 
@@ -171,6 +226,7 @@ class StateAccess(Cache):
         self.chunk_index = chunk_index
         self.suffix = suffix
         self.recorded: dict[LayerState, object] = {}
+        self.selections: list[IndexerSelection] = []  # the DSA indexer calls in flight (state/dsa.py)
         self.cache_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def own_entries(
@@ -200,9 +256,10 @@ class StateAccess(Cache):
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        # DSA's indexer scores its queries against the own keys through the masks (state/dsa.py)
         if not self.state.extends_masks:
             return 0
-        return self.state.local_prefix(self.prefix_length) + (self.suffix.length if self.suffix is not None else 0)
+        return self.suffix.length if self.suffix is not None else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return query_length + self.get_seq_length(layer_idx), 0

@@ -49,8 +49,8 @@ class LayerState:
     Class attributes: `name` (the registry key), `layer_types` (the `config.layer_types` entries it serves, in
     transformers' vocabulary; `None` in the tuple means a config without layer types), `differentiable` (exact mode
     makes its tensors autograd leaves), `needs_attention_interface` (its mixer must call the registered attention
-    function), `extends_masks` (forwards must present the prompt's length to the model's masks: DSA's indexer scores
-    its queries against the prompt's keys through them).
+    function), `extends_masks` (forwards must present the forward's own entries, a decoding row's earlier ones
+    included, to the model's masks: DSA's indexer scores its queries against its own keys through them).
     """
 
     name: ClassVar[str]
