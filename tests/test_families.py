@@ -67,6 +67,37 @@ def test_level2_sparse_dsa_selection(family):
     assert (logps - want).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("family", sorted(DSA))
+def test_dsa_indexer_scores_one_block_of_prompt_keys_at_a_time(family, monkeypatch):
+    """The model's indexer never scores a token against more than `attention_chunk_size` prompt keys at once (nor
+    against the prompt's keys in its own call: those come block by block), and the selection still equals one full
+    eager forward's (top-12 of up to 36 keys)."""
+    from trl_longstraw.state import dsa
+
+    eager, model = eager_and_prepared(family, index_topk=12, index_n_heads=32)
+    blocks, own = [], []
+    visit_block, select = dsa.block_candidates, dsa.IndexerKeys.select
+
+    def recording_block(indexer, call, keys, key_index, k):
+        blocks.append(keys.shape[1])
+        return visit_block(indexer, call, keys, key_index, k)
+
+    def recording_select(self, access, call, own_scores, own_index, k):
+        own.append((own_scores.shape[-1], call["hidden_states"].shape[1]))
+        return select(self, access, call, own_scores, own_index, k)
+
+    monkeypatch.setattr(dsa, "block_candidates", recording_block)
+    monkeypatch.setattr(dsa.IndexerKeys, "select", recording_select)
+    prompt, completions, lengths = case()
+    engine = LongStrawEngine(7, 5)
+    with torch.no_grad():
+        want, _ = full_forward(eager, prompt, completions, lengths, offset=0)
+        logps, _ = engine.score(model, engine.capture(model, prompt, 0), prompt[-1:], completions, lengths, 1)
+    assert (logps - want).abs().max() <= 1e-5
+    assert max(blocks) == 5 and len(blocks) > len(own)  # several blocks per indexer call, none wider than a chunk
+    assert all(columns == tokens for columns, tokens in own)  # the model's own call: its own keys only
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("prompt_gradient", ["detach", "exact"])
 def test_level6_replay_reproduces_scores_and_leaves_the_state_unchanged(family, prompt_gradient):
