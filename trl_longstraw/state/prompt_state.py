@@ -199,8 +199,8 @@ class StateAccess(Cache):
     before this forward), and extends the suffix with this forward's tokens.
 
     As a `Cache` it stores nothing itself: `update` hands the layer's K/V (or MLA latents) back unchanged, keeping
-    them for the registered attention function; recurrent layers get their snapshot states; DSA indexers get the
-    prompt's indexer keys followed by their own.
+    them for the registered attention function; recurrent layers get their snapshot states; DSA indexers get their
+    own keys only (the prompt's are visited block by block when their top-k is taken: `dsa.py`).
     """
 
     def __init__(
