@@ -2,9 +2,10 @@
 
     .venv/bin/python benchmarks/fp8_state_error.py --out benchmarks/results/fp8_state_error.md
 
-For each model (a bf16 random-weight decoder: the tests' tiny Qwen3, and a wide one at hidden 1024) and prompt length,
-one prompt is captured twice, with K/V pages in the model dtype (bf16) and in `float8_e4m3fn` (per-(64-token page,
-kv head) scales), and G completions are scored and replayed from each:
+For each model (a bf16 random-weight decoder: the tests' tiny Qwen3 and a wide one at hidden 1024; the tests' tiny
+MLA model and a wide one at GLM-5's latent geometry, `--models` picks) and prompt length, one prompt is captured twice,
+with K/V pages (MLA: latent pages) in the model dtype (bf16) and in `float8_e4m3fn` (per-(64-token page, kv head)
+scales; MLA: per page), and G completions are scored and replayed from each:
 
 - `max |dlogp|`, `mean |dlogp|`: completion-token log-probs, fp8 pages against bf16 pages;
 - `KL`: mean over completion positions of KL(p_bf16 || p_fp8) of the next-token distributions;
@@ -39,6 +40,22 @@ MODELS = {
         num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=64,
+        max_position_embeddings=65536,
+    ),
+    "tiny MLA (deepseek_v3, hidden 64, latent 16 + rope 8, 3 layers)": dict(family="deepseek_v3"),
+    "wide MLA (deepseek_v3, hidden 1024, 16 heads, latent 512 + rope 64 as GLM-5, 2 dense layers)": dict(
+        family="deepseek_v3",
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=512,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
         max_position_embeddings=65536,
     ),
 }
@@ -106,6 +123,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--completion-length", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=4096)
+    parser.add_argument("--models", default="all", help="comma-separated prefixes of the model labels (tiny, wide, ...)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
@@ -113,7 +131,10 @@ def main() -> None:
         "| model | P | max \\|dlogp\\| | mean \\|dlogp\\| | KL(bf16 \\|\\| fp8) | grad cosine | state bf16 -> fp8 MiB |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
+    chosen = None if args.models == "all" else tuple(args.models.split(","))
     for label, spec in MODELS.items():
+        if chosen is not None and not label.startswith(chosen):
+            continue
         spec = dict(spec)
         model = build_model(spec.pop("family"), dtype=torch.bfloat16, **spec)
         add_fused_lm_head(prepare_model(model), outputs=("log_probs", "entropy"))

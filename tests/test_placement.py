@@ -37,8 +37,9 @@ def test_fp8_pages_round_each_entry_within_its_page_scale():
     assert pages.data.dtype == torch.float8_e4m3fn and pages.scales.shape == (2, -(-300 // FP8_PAGE_TOKENS))
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gpt_oss", "deepseek_v3", "glm_moe_dsa"])
 def test_fp8_state_halves_the_pages_and_scores_close_to_the_model_dtype(family):
+    """K/V pages and MLA latent pages in fp8; windows, recurrent states and DSA indexer keys stay in the model dtype."""
     model = prepared(build_model(family, dtype=torch.bfloat16))
     prompt, completions, lengths = case(prompt_length=257)
     exact_pages, fp8_pages = LongStrawEngine(64, 50), LongStrawEngine(64, 50, prompt_state_dtype="float8_e4m3fn")
@@ -47,15 +48,15 @@ def test_fp8_state_halves_the_pages_and_scores_close_to_the_model_dtype(family):
         want, _ = exact_pages.score(model, state, prompt[-1:], completions, lengths, 3)
         fp8_state = fp8_pages.capture(model, prompt, 0)
         got, _ = fp8_pages.score(model, fp8_state, prompt[-1:], completions, lengths, 3)
-    full = [
-        t for layer in state.layers if type(layer).name == "attention" and not layer.rolling for t in layer.tensors()
-    ]
-    fp8 = [
-        t
-        for layer in fp8_state.layers
-        if type(layer).name == "attention" and not layer.rolling
-        for t in layer.tensors()
-    ]
+
+    def paged(layer):
+        return type(layer).name == "mla_latent" or (type(layer).name == "attention" and not layer.rolling)
+
+    full = [t for layer in state.layers if paged(layer) for t in layer.tensors()]
+    fp8 = [t for layer in fp8_state.layers if paged(layer) for t in layer.tensors()]
+    assert all(
+        t.dtype == torch.float8_e4m3fn for layer in fp8_state.layers if paged(layer) for t in layer.tensors()[:1]
+    )
     full_bytes = sum(t.numel() * t.element_size() for t in full)
     fp8_bytes = sum(t.numel() * t.element_size() for t in fp8)
     assert fp8_bytes <= 0.55 * full_bytes  # 1 byte instead of 2, plus one fp32 scale per 64 tokens and head

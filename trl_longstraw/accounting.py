@@ -280,8 +280,9 @@ def prompt_state_bytes(
     """Bytes of one captured state of `num_tokens` prompt tokens, by state label, as the capture allocates them.
 
     `state_dtype="float8_e4m3fn"` (detach mode only, as the engine) stores the K/V pages of full-attention layers in
-    fp8 with per-(page, kv head) fp32 scales; windowed layers keep their few entries, recurrent states stay fp32, MLA
-    latents and DSA indexer keys stay in the model dtype (`dtype_bytes`).
+    fp8 with per-(page, kv head) fp32 scales, and MLA latent pages with one fp32 scale per page; windowed layers keep
+    their few entries, recurrent states stay fp32, DSA indexer keys stay in the model dtype (`dtype_bytes`: they
+    decide a discrete selection).
     """
     if exact and state_dtype != "auto":
         raise ValueError("fp8 prompt-state pages are detach mode only: the exact gradient needs full-width leaves")
@@ -298,6 +299,8 @@ def prompt_state_bytes(
                 values_per_token = part.per_token // (2 * dtype_bytes)  # kv_heads x head_dim, for K (and for V)
                 kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
                 nbytes = fp8_pages_bytes(kv_heads, values_per_token // kv_heads, num_tokens)
+            elif state_dtype == "float8_e4m3fn" and part.label == "mla_latent":  # one page tensor, one "head"
+                nbytes = fp8_pages_bytes(1, part.per_token // dtype_bytes, num_tokens) // 2
             else:
                 nbytes = part.per_token * num_tokens + part.fixed
             by_label[part.label] = by_label.get(part.label, 0) + nbytes

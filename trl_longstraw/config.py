@@ -47,8 +47,9 @@ class LongStrawGRPOConfig(GRPOConfig):
             Where the prompt state lives: `"auto"` (the model's device), `"cpu"`, or any available torch device.
         prompt_state_dtype (`str`, *optional*, defaults to `"auto"`):
             `"auto"` keeps the prompt state in the model's dtype; `"float8_e4m3fn"` keeps attention K/V pages in fp8
-            with one scale per (64-token page, kv head), half the bytes of bf16, dequantised chunk by chunk as read.
-            Detach mode only. Its cost in log-prob error is measured in the README.
+            with one scale per (64-token page, kv head), and MLA latent pages with one scale per page, half the bytes
+            of bf16, dequantised chunk by chunk as read. Detach mode only. Its cost in log-prob error is measured in
+            the README.
         context_parallel_size (`int`, *optional*):
             Ranks that share one prompt, each keeping a contiguous shard of its state (see the README's "Context
             parallelism"). The world must be a multiple of it: `world = data parallel x context parallel`. Unset: the
@@ -103,10 +104,10 @@ class LongStrawGRPOConfig(GRPOConfig):
     prompt_state_dtype: str = field(
         default="auto",
         metadata={
-            "help": "Storage of the prompt state's attention K/V pages: 'auto' (the model's dtype) or "
-            "'float8_e4m3fn' (fp8 with one scale per 64-token page and kv head: half the bytes of bf16, dequantised "
-            "chunk by chunk as read; prompt_gradient='detach' only). Windowed layers, recurrent states, MLA latents "
-            "and DSA keys stay in the model's dtype.",
+            "help": "Storage of the prompt state's attention K/V and MLA latent pages: 'auto' (the model's dtype) or "
+            "'float8_e4m3fn' (fp8 with one scale per 64-token page and kv head, per page for MLA latents: half the "
+            "bytes of bf16, dequantised chunk by chunk as read; prompt_gradient='detach' only). Windowed layers, "
+            "recurrent states and DSA indexer keys stay in the model's dtype.",
             "choices": list(PROMPT_STATE_DTYPES),
         },
     )

@@ -575,11 +575,9 @@ class ShardedLatentAttention(ShardedView):
         start = self.layer.prompt.start_position  # the shard's first absolute position
         positions = torch.arange(start, start + limit, device=device)
         selection = None if indices is None else topk_selection(indices, self.state.shard[0])
+        block = KeyBlock(positions, shared=True, selection=selection, dequantize=self.layer.dequantizer(dtype))
         data = pages.read(limit)
-        return (KeyBlock(positions, shared=True, selection=selection),), (
-            data,
-            data[..., : self.layer.mixer.kv_lora_rank],
-        )
+        return (block,), (data, data[..., : self.layer.mixer.kv_lora_rank])
 
     def accumulate(self, d_keys, d_values):
         leaf = self.layer.pages.data

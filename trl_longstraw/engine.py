@@ -130,8 +130,8 @@ class LongStrawEngine:
         attention_chunk_size: prompt keys per step of the prefix attention; bounds its score matrix.
         state_device: where prompt state lives (`None`: the model's device).
         prompt_gradient: "detach" (state is a constant) or "exact" (state gradients pushed into the parameters).
-        prompt_state_dtype: "auto" (the model's dtype) or "float8_e4m3fn" (attention K/V pages in fp8 with
-            per-(page, head) scales, dequantised chunk by chunk as read; detach mode only).
+        prompt_state_dtype: "auto" (the model's dtype) or "float8_e4m3fn" (attention K/V and MLA latent pages in fp8
+            with per-(page, head) scales, dequantised chunk by chunk as read; detach mode only).
     """
 
     prefill_chunk_size: int

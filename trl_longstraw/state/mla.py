@@ -75,7 +75,7 @@ class LatentPages(LayerState):
 
     def __init__(self, mixer, layer_idx, layer_type, prompt):
         super().__init__(mixer, layer_idx, layer_type, prompt)
-        self.pages = Pages(prompt.placement, prompt.num_tokens)
+        self.pages = Pages(prompt.placement, prompt.num_tokens, fp8=prompt.fp8_pages)
 
     def tensors(self) -> list[torch.Tensor]:
         return self.pages.tensors()
@@ -99,7 +99,8 @@ class LatentPages(LayerState):
                 self.prompt.start_position, self.prompt.start_position + prefix, device=query.device
             )
             selected = None if indices is None else topk_selection(indices, 0)
-            blocks.append((pages, pages[..., :rank], KeyBlock(page_positions, shared=True, selection=selected)))
+            block = KeyBlock(page_positions, shared=True, selection=selected, dequantize=self.dequantizer(query.dtype))
+            blocks.append((pages, pages[..., :rank], block))
         selected = None if indices is None else topk_selection(indices, prefix)
         own_positions = access.own_positions(own_keys.shape[1])
         blocks.append((own_keys, own_keys[..., :rank], KeyBlock(own_positions, shared=False, selection=selected)))
@@ -109,6 +110,17 @@ class LatentPages(LayerState):
         elif access.mode == "recompute":
             access.recorded[self] = own_keys[0]
         return torch.einsum("bhtk,khv->bhtv", out, w_uv.to(out.dtype))
+
+    def dequantizer(self, dtype: torch.dtype):
+        """fp8 pages: each chunk of latents (keys) and of its first `kv_lora_rank` columns (values) in `dtype`, with
+        their pages' scales (one per 64-token page), as attention reads them; None in the model dtype."""
+        if not self.pages.fp8:
+            return None
+
+        def dequantize(keys: torch.Tensor, values: torch.Tensor, start: int):
+            return self.pages.dequantize(keys, start, dtype), self.pages.dequantize(values, start, dtype)
+
+        return dequantize
 
     def recompute_pairs(self, recorded, chunk_index, start, end):
         leaf = self.pages.data
