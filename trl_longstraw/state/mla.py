@@ -112,13 +112,14 @@ class LatentPages(LayerState):
         return torch.einsum("bhtk,khv->bhtv", out, w_uv.to(out.dtype))
 
     def dequantizer(self, dtype: torch.dtype):
-        """fp8 pages: each chunk of latents (keys) and of its first `kv_lora_rank` columns (values) in `dtype`, with
-        their pages' scales (one per 64-token page), as attention reads them; None in the model dtype."""
+        """fp8 pages: each chunk of latents (keys) in `dtype`, with their pages' scales (one per 64-token page), and
+        its first `kv_lora_rank` columns as the values, as attention reads them; None in the model dtype."""
         if not self.pages.fp8:
             return None
 
         def dequantize(keys: torch.Tensor, values: torch.Tensor, start: int):
-            return self.pages.dequantize(keys, start, dtype), self.pages.dequantize(values, start, dtype)
+            keys = self.pages.dequantize(keys, start, dtype)
+            return keys, keys[..., : values.shape[-1]]  # the values are the latents' first columns
 
         return dequantize
 
