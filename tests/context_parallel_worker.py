@@ -240,22 +240,16 @@ def run_on_device(rank, world_size, init_file, cases, rollout_families, out_dir,
         dist.destroy_process_group()
 
 
-def run_data_and_context_parallel(rank, world_size, init_file, mode, out_dir, mesh=False):
+def run_data_and_context_parallel(rank, world_size, init_file, mode, out_dir):
     """dp = 2 x cp = 2: each CP group updates on its own prompt, then gradients are averaged across the DP group;
-    every rank must end with the mean of the two prompts' single-process gradients. With `mesh`, the CP groups are
-    those of a device mesh laid out as Accelerate builds one (`dp_shard x cp`)."""
+    every rank must end with the mean of the two prompts' single-process gradients."""
     from trl_longstraw.context_parallel import build_parallel_groups
     from trl_longstraw.distributed import average_gradients
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        device_mesh = None
-        if mesh:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            device_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
-        groups = build_parallel_groups(2, device_mesh)
+        groups = build_parallel_groups(2)
         model = build_model("qwen3", seed=0)
         prepare_model(model)
         add_fused_lm_head(model, outputs=("log_probs", "entropy"))
@@ -273,30 +267,10 @@ def run_data_and_context_parallel(rank, world_size, init_file, mode, out_dir, me
         dist.all_gather(gathered, flat)
         result = {
             "context_ranks": dist.get_process_group_ranks(groups.context.group),
-            "mesh_group": mesh and groups.context.group is device_mesh["cp"].get_group(),
             "data_ranks": dist.get_process_group_ranks(groups.data),
             "grad_errors": relative_errors(grads, want, 0.0),
             "rank_difference": max((g - gathered[0]).abs().max().item() for g in gathered),
         }
         torch.save(result, os.path.join(out_dir, f"dpcp-{mode}-rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_misordered_mesh(rank, world_size, init_file, out_dir):
-    """A device mesh whose CP groups are not consecutive ranks (`cp` outer): refused on every rank, naming the fix."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from trl_longstraw.context_parallel import build_parallel_groups
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "dp_shard"))
-        try:
-            build_parallel_groups(2, mesh)
-            error = None
-        except ContextParallelError as refused:
-            error = str(refused)
-        torch.save(error, os.path.join(out_dir, f"mesh-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -966,14 +966,10 @@ class ParallelGroups:
     data: dist.ProcessGroup | None
 
 
-def build_parallel_groups(context_parallel_size: int, device_mesh=None) -> ParallelGroups:
+def build_parallel_groups(context_parallel_size: int) -> ParallelGroups:
     """`world = dp x cp` process groups on `torch.distributed`: consecutive ranks `[k cp, (k + 1) cp)` form CP group
     k (neighbours share a prompt: on a multi-GPU node they share the fastest links); ranks `i, i + cp, ...` form a DP
-    group. Every rank creates every group, in the same order, as `new_group` requires.
-
-    `device_mesh`: Accelerate's (`Accelerator.torch_device_mesh`, built from a `parallelism_config`), if any. Where
-    it has a `"cp"` dimension, its CP process group is used; it must be the one described above (Accelerate orders
-    its dimensions `dp_replicate, dp_shard, cp, sp, tp`, so it is whenever `sp` and `tp` are 1)."""
+    group. Every rank creates every group, in the same order, as `new_group` requires."""
     size = context_parallel_size
     if not dist.is_available() or not dist.is_initialized():
         raise ContextParallelError(
@@ -987,21 +983,10 @@ def build_parallel_groups(context_parallel_size: int, device_mesh=None) -> Paral
             f"parallel): launch a multiple of {size} processes, or set context_parallel_size to a divisor of {world}."
         )
     context = data = None
-    mesh_names = getattr(device_mesh, "mesh_dim_names", None) or ()
-    if "cp" in mesh_names:
-        context = device_mesh["cp"].get_group()
-        expected = list(range(rank // size * size, rank // size * size + size))
-        if dist.get_process_group_ranks(context) != expected:
-            raise ContextParallelError(
-                f"Accelerate's device mesh {dict(zip(mesh_names, device_mesh.mesh.shape, strict=True))} puts rank "
-                f"{rank} in the CP group {dist.get_process_group_ranks(context)}; context parallelism needs "
-                f"consecutive ranks {expected} (a CP group shares one prompt). Leave tp_size and sp_size at 1."
-            )
-    else:
-        for first in range(0, world, size):
-            ranks = list(range(first, first + size))
-            group = dist.new_group(ranks)
-            context = group if rank in ranks else context
+    for first in range(0, world, size):
+        ranks = list(range(first, first + size))
+        group = dist.new_group(ranks)
+        context = group if rank in ranks else context
     for index in range(size):
         ranks = list(range(index, world, size))
         group = dist.new_group(ranks)

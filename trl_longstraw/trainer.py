@@ -205,10 +205,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 self.accelerator.unwrap_model(policy_or_ref).set_attn_implementation(ATTENTION_IMPLEMENTATION)
         state_device = None if args.prompt_state_device == "auto" else torch.device(args.prompt_state_device)
         # Context parallelism (context_parallel.py): None, or this rank's CP and DP groups.
-        self._parallel = None
-        if args.context_parallel_size > 1:
-            mesh = getattr(self.accelerator, "torch_device_mesh", None)  # Accelerate's, from a parallelism_config
-            self._parallel = build_parallel_groups(args.context_parallel_size, mesh)
+        self._parallel = build_parallel_groups(args.context_parallel_size) if args.context_parallel_size > 1 else None
         self.engine = ContextParallelEngine(
             prefill_chunk_size=args.prefill_chunk_size,
             attention_chunk_size=args.attention_chunk_size,
