@@ -98,6 +98,34 @@ def test_dsa_indexer_scores_one_block_of_prompt_keys_at_a_time(family, monkeypat
     assert all(columns == tokens for columns, tokens in own)  # the model's own call: its own keys only
 
 
+def test_an_interrupted_dsa_selection_leaves_later_topk_calls_alone(monkeypatch):
+    """A KeyboardInterrupt inside the indexer skips the hook that leaves the selection mode; the stale mode must let
+    every later `topk` through, and the next capture must select as usual."""
+    from trl_longstraw.state import dsa
+
+    eager, model = eager_and_prepared("glm_moe_dsa", index_topk=12, index_n_heads=32)
+    prompt, completions, lengths = case()
+    engine = LongStrawEngine(7, 5)
+    visit_block = dsa.block_candidates
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    modes = torch._C._len_torch_function_stack()
+    monkeypatch.setattr(dsa, "block_candidates", interrupted)
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        engine.capture(model, prompt, 0)
+    monkeypatch.setattr(dsa, "block_candidates", visit_block)
+    assert torch._C._len_torch_function_stack() == modes + 1  # the stale mode, inert
+    scores = torch.randn(3, 5, 9)
+    assert torch.equal(torch.topk(scores, 2).indices, scores.sort(-1, descending=True).indices[..., :2])
+    with torch.no_grad():
+        want, _ = full_forward(eager, prompt, completions, lengths, offset=0)
+        logps, _ = engine.score(model, engine.capture(model, prompt, 0), prompt[-1:], completions, lengths, 1)
+    assert (logps - want).abs().max() <= 1e-5
+    assert torch._C._len_torch_function_stack() == modes  # the next indexer call left it
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("prompt_gradient", ["detach", "exact"])
 def test_level6_replay_reproduces_scores_and_leaves_the_state_unchanged(family, prompt_gradient):

@@ -96,17 +96,26 @@ _NO_TOPK = (
 
 
 class IndexerSelection(TorchFunctionMode):
-    """Active during one indexer call of the model (entered and left by the indexer's forward hooks, see
-    `PromptState.selecting`): its `topk` of the index scores of the forward's own keys becomes the top-k over the
-    prompt's keys and the own keys (`IndexerKeys.select`), in global key indices (the prompt's tokens first)."""
+    """Active during one indexer call of the model (entered and left by the indexer's forward hooks,
+    `prompt_state._add_selection_hooks`): its `topk` of the index scores of the forward's own keys becomes the top-k
+    over the prompt's keys and the own keys (`IndexerKeys.select`), in global key indices (the prompt's tokens first).
+
+    It acts once, on the call's own scores only (`[batch, tokens, own keys]` of this call), and only while it is its
+    indexer's current selection: a forward interrupted inside the indexer (`KeyboardInterrupt` skips the hook that
+    leaves the mode) leaves a mode on the stack that lets every later `topk` through."""
 
     def __init__(self, layer: IndexerKeys, access, call: dict, own_index: torch.Tensor, k: int):
         super().__init__()
         self.layer, self.access, self.call, self.own_index, self.k = layer, access, call, own_index, k
         self.selected = False
 
+    def _is_its_call(self, scores) -> bool:
+        expected = (*self.call["hidden_states"].shape[:2], self.own_index.numel())
+        current = getattr(self.layer.mixer, "_longstraw_selection", None) is self
+        return current and not self.selected and isinstance(scores, torch.Tensor) and tuple(scores.shape) == expected
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func not in _TOPK:
+        if func not in _TOPK or not self._is_its_call(args[0]):
             return func(*args, **(kwargs or {}))
         values, ids = self.layer.select(self.access, self.call, args[0], self.own_index, self.k)
         self.selected = True

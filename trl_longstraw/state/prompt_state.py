@@ -160,7 +160,19 @@ def _add_selection_hooks(indexer: torch.nn.Module) -> None:
     indexer._longstraw_selection_hooks = True
 
 
+def _leave_interrupted_selection(module) -> None:
+    """A forward interrupted inside this indexer (a `KeyboardInterrupt` skips the hook that leaves the mode) left its
+    selection mode on the torch-function stack: inert (`IndexerSelection` lets every other call through), but every
+    torch call pays for it in Python. Leave it, if it is still on top (nothing entered since)."""
+    stale = getattr(module, "_longstraw_selection", None)
+    depth = torch._C._len_torch_function_stack()
+    if stale is not None and depth > 0 and torch._C._get_function_stack_at(depth - 1) is stale:
+        stale.__exit__(None, None, None)
+    module._longstraw_selection = None
+
+
 def _indexer_called(module, args, kwargs) -> None:
+    _leave_interrupted_selection(module)
     call = indexer_call(module, args, kwargs)
     access = call.get("cache")
     if not isinstance(access, StateAccess):
@@ -172,6 +184,7 @@ def _indexer_called(module, args, kwargs) -> None:
     selection = IndexerSelection(state.for_mixer(module), access, call, state.own_keys(access, own_index), k)
     state.before_selection(module, access, call, k)
     access.selections.append(selection)
+    module._longstraw_selection = selection
     selection.__enter__()
 
 
@@ -181,6 +194,7 @@ def _indexer_returned(module, args, kwargs, output) -> None:
         return
     selection = access.selections.pop()
     selection.__exit__(None, None, None)
+    module._longstraw_selection = None
     if not selection.selected:
         raise RuntimeError(
             f"The DSA indexer of layer {module.layer_idx} ({type(module).__name__}) returned without a torch.topk of "
