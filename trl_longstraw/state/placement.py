@@ -52,14 +52,17 @@ class Placement:
         self.device = torch.device(device)
         self._finite: torch.Tensor | None = None
 
-    def allocate(self, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        pin = self.device.type == "cpu" and like.device.type == "cuda"
-        return torch.empty(shape, dtype=like.dtype, device=self.device, pin_memory=pin)
+    def allocate(self, dtype: torch.dtype, shape: tuple[int, ...], source: torch.device) -> torch.Tensor:
+        """Room for `shape` entries of `dtype` written from `source`: pinned host memory when they come from (and go
+        back to) a GPU, so that staging them is an asynchronous copy."""
+        pin = self.device.type == "cpu" and source.type == "cuda"
+        return torch.empty(shape, dtype=dtype, device=self.device, pin_memory=pin)
 
     def store(self, tensor: torch.Tensor) -> torch.Tensor:
         """A detached copy of `tensor` on the state's device (a snapshot no later write can alias)."""
         self.check(tensor)
-        return tensor.detach().to(self.device, copy=True)
+        copy = self.allocate(tensor.dtype, tuple(tensor.shape), tensor.device)
+        return copy.copy_(tensor.detach())
 
     @staticmethod
     def stage(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -96,13 +99,15 @@ class Pages:
     def append(self, values: torch.Tensor, keep_from: int = 0) -> int:
         """Write `values [heads, tokens, dim]` after the current entries; returns how many old entries were dropped."""
         self.placement.check(values)
+        source = values.device
         values = values.detach().to(self.placement.device)
         if self.fp8:
-            self._append_fp8(values)
+            self._append_fp8(values, source)
             return 0
         if self.capacity is not None:
             if self.data is None:
-                self.data = self.placement.allocate(values, (values.shape[0], self.capacity, values.shape[-1]))
+                shape = (values.shape[0], self.capacity, values.shape[-1])
+                self.data = self.placement.allocate(values.dtype, shape, source)
             end = self.length + values.shape[1]
             self.data[:, self.length : end] = values
             self.length = end
@@ -112,10 +117,10 @@ class Pages:
         self.length = self.data.shape[1]
         return keep_from
 
-    def _append_fp8(self, values: torch.Tensor) -> None:
+    def _append_fp8(self, values: torch.Tensor, source: torch.device) -> None:
         heads, dim = values.shape[0], values.shape[-1]
         if self.data is None:
-            self.data = self.placement.allocate(values.to(FP8_DTYPE), (heads, self.capacity, dim))
+            self.data = self.placement.allocate(FP8_DTYPE, (heads, self.capacity, dim), source)
             pages = -(-self.capacity // FP8_PAGE_TOKENS)
             self.scales = torch.ones((heads, pages), dtype=torch.float32, device=self.placement.device)
         # A partly filled page is quantised again with its new entries, from the full-precision values of that page
