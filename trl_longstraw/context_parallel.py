@@ -47,7 +47,8 @@ differently than in one process, as between two chunkings of one process.
 
 Rollouts (`rollout_from_prompt_state`): decoding is one more mode of the same views. Every rank decodes the group's
 rows in lockstep against its shard, each rank keeping the rows' own decoded entries (`Suffix`, counted on rank 0),
-and the sampled tokens of each step are rank 0's (`agree_on_tokens`), so the ranks never drift apart.
+and each step's sampled tokens and stopping decisions are rank 0's (`agree`), so the ranks never drift apart (a
+time-based stopping criterion could otherwise stop them on different steps).
 
 Communication (elements all-reduced, per replayed token, per attention layer, `heads` query heads of width `d`,
 `kv_heads` key heads, value width `dv`): forward `heads * (dv + 2)` (the max and the weighted sum with its weight),
@@ -847,11 +848,13 @@ class ContextParallelEngine(LongStrawEngine):
     def sharded(self) -> bool:
         return self.context_parallel is not None and self.context_parallel.size > 1
 
-    def agree_on_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """A rollout step's tokens, rank 0's on every rank of the CP group (they decode the same rows in lockstep)."""
+    def agree(self, decision: torch.Tensor) -> torch.Tensor:
+        """A rollout step's decision, rank 0's on every rank of the CP group (they decode the same rows in lockstep)."""
         if not self.sharded:
-            return tokens
-        return self.context_parallel.broadcast(tokens.contiguous(), 0, kind="rollout")
+            return decision
+        return self.context_parallel.broadcast(decision.to(torch.int64).contiguous(), 0, kind="rollout").to(
+            decision.dtype
+        )
 
     def _own_chunks(self, state: ShardedPromptState) -> list[tuple[int, int]]:
         shard_start, shard_end = state.shard

@@ -289,10 +289,10 @@ class LongStrawEngine:
         suffix.advance(token_ids.shape[1])
         return outputs.logits[:, -1].to(dtype=torch.float32, copy=True)
 
-    def agree_on_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """A rollout step's sampled tokens as every process decoding these rows must continue them (here: as given;
-        under context parallelism, the first rank's)."""
-        return tokens
+    def agree(self, decision: torch.Tensor) -> torch.Tensor:
+        """A rollout step's decision (its sampled tokens, the rows still unfinished) as every process decoding these
+        rows must take it (here: as given; under context parallelism, the first rank's)."""
+        return decision
 
     def backward_prompt(self, model: nn.Module, state: PromptState, prompt_ids: torch.Tensor) -> None:
         """Exact mode: push the gradient accumulated on the state leaves into the parameters.
