@@ -20,6 +20,7 @@ so the default stays the model dtype.
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 from pathlib import Path
 
@@ -150,7 +151,7 @@ def main() -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         command = "    .venv/bin/python benchmarks/fp8_state_error.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"
+            f"--{k.replace('_', '-')} {shlex.quote(str(v))}" for k, v in vars(args).items() if k != "out"
         )
         args.out.write_text(f"# fp8 prompt-state pages vs bf16 pages\n\n```\n{command}\n```\n\n{table}\n")
 
