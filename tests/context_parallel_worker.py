@@ -153,6 +153,31 @@ def check_rollout(family, cp, device="cpu"):
     return results
 
 
+def check_fp8_pages(family, cp):
+    """fp8 pages (K/V, MLA latents) under context parallelism: each rank quantises its own shard (its 64-token pages
+    start at the shard), so the log-probs agree with one process's fp8 pages to fp8 rounding, not bitwise; returns
+    (largest difference to one process's fp8 pages, to its full-precision pages, whether the shard's pages are fp8)."""
+    model = build_model(family, seed=0)
+    prepare_model(model)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    prompt, completions, lengths, _ = case()
+    scores = {}
+    with torch.no_grad():
+        for name, engine in {
+            "full": LongStrawEngine(8, 4),
+            "fp8": LongStrawEngine(8, 4, prompt_state_dtype="float8_e4m3fn"),
+            "sharded_fp8": ContextParallelEngine(8, 4, prompt_state_dtype="float8_e4m3fn", context_parallel=cp),
+        }.items():
+            state = engine.capture(model, prompt, first_position=0)
+            scores[name], _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
+    paged = [t for layer in state.layers if isinstance(layer, AttentionPages | LatentPages) for t in layer.tensors()]
+    return (
+        (scores["sharded_fp8"] - scores["fp8"]).abs().max().item(),
+        (scores["sharded_fp8"] - scores["full"]).abs().max().item(),
+        bool(paged) and paged[0].dtype == torch.float8_e4m3fn,
+    )
+
+
 def indexer_communication(cp):
     """Elements the DSA top-k merge all-reduces over one member's replay, and what the formula says: per replayed
     token and index-computing layer, `2 * cp * k` (each rank's slot of top-k scores and of key indices)."""
@@ -216,6 +241,7 @@ def run(rank, world_size, init_file, cases, out_dir):
         results = {(family, mode): check_family(family, mode, cp) for family, mode in cases}
         results["rollouts"] = {family: check_rollout(family, cp) for family in ROLLOUT_FAMILIES}
         results["indexer_communication"] = indexer_communication(cp)
+        results["fp8"] = {family: check_fp8_pages(family, cp) for family in ("qwen3", "deepseek_v3")}
         results["short_prompt"] = refusal(cp)
         results["chunked"] = refusal(cp, prompt_length=PROMPT_LENGTH, model=chunked_attention_model())
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -96,6 +96,14 @@ def test_the_dsa_merge_sends_two_slots_of_top_k_per_rank_token_and_layer(ranks):
         assert counted == formula > 0
 
 
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_fp8_pages_shard_too_and_score_within_fp8_rounding(ranks, family):
+    for rank in ranks:
+        to_fp8, to_full, stored_in_fp8 = rank["fp8"][family]
+        assert stored_in_fp8
+        assert to_fp8 <= 2e-2 and to_full <= 2e-2
+
+
 def test_a_prompt_shorter_than_the_group_is_refused_naming_the_fix(ranks):
     for rank in ranks:
         assert "Lower context_parallel_size" in rank["short_prompt"]
