@@ -156,7 +156,7 @@ def _add_selection_hooks(indexer: torch.nn.Module) -> None:
     if getattr(indexer, "_longstraw_selection_hooks", False):
         return
     indexer.register_forward_pre_hook(_indexer_called, with_kwargs=True)
-    indexer.register_forward_hook(_indexer_returned, with_kwargs=True, always_call=True)
+    indexer.register_forward_hook(_indexer_returned, always_call=True)
     indexer._longstraw_selection_hooks = True
 
 
@@ -183,16 +183,14 @@ def _indexer_called(module, args, kwargs) -> None:
     own_index = torch.arange(access.prefix_length, access.prefix_length + own, device=hidden.device)
     selection = IndexerSelection(state.for_mixer(module), access, call, state.own_keys(access, own_index), k)
     state.before_selection(module, access, call, k)
-    access.selections.append(selection)
-    module._longstraw_selection = selection
+    module._longstraw_selection = selection  # the call in flight (indexer calls do not nest)
     selection.__enter__()
 
 
-def _indexer_returned(module, args, kwargs, output) -> None:
-    access = indexer_call(module, args, kwargs).get("cache")
-    if not isinstance(access, StateAccess) or not access.selections:
+def _indexer_returned(module, args, output) -> None:
+    selection = getattr(module, "_longstraw_selection", None)
+    if selection is None:  # a forward without prompt state
         return
-    selection = access.selections.pop()
     selection.__exit__(None, None, None)
     module._longstraw_selection = None
     if not selection.selected:
@@ -240,7 +238,6 @@ class StateAccess(Cache):
         self.chunk_index = chunk_index
         self.suffix = suffix
         self.recorded: dict[LayerState, object] = {}
-        self.selections: list[IndexerSelection] = []  # the DSA indexer calls in flight (state/dsa.py)
         self.cache_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def own_entries(
