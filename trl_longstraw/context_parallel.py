@@ -36,10 +36,10 @@ function, so every rank's upstream graph receives the full gradient and every ra
 gradients without any further all-reduce.
 
 DSA (DeepSeek-V3.2, GLM-5): the top-k is selected over the whole prefix, never per shard. The model's own indexer
-runs on every rank over that rank's indexer keys (`CrossRankTopK`, a `TorchFunctionMode` entered by the indexer's
-forward hooks, turns its `topk` of the index scores into `merge_topk`): each rank's top-k candidates, in global key
-indices, are gathered by an all-reduce and the top-k of those taken, the same on every rank; the global top-k is
-always among them, so this is exact. In a capture or recompute the owner announces each indexer call (its hidden
+runs on every rank over that rank's indexer keys, block by block (`state/dsa.py`), and its candidates are finished by
+`ShardedPromptState.finish_selection`: each rank's top-k candidates, in global key indices, are gathered by an
+all-reduce (`merge_topk`) and the top-k of those taken, the same on every rank; the global top-k is always among
+them, so this is exact. In a capture or recompute the owner announces each indexer call (its hidden
 states, query residual and rotary embeddings of one chunk) and the ranks holding earlier shards run the indexer over
 theirs. A serving rank's partial attention applies the last merged selection, as the model's IndexShare layers
 reuse the last computing layer's. Exactly tied index scores (e.g. every key at 0 after a zero query) may be broken
@@ -162,22 +162,15 @@ class ContextParallelGroup:
     def broadcast_tensor(self, tensor: torch.Tensor | None, source: int, kind: str) -> torch.Tensor:
         """A tensor of any shape and dtype from `source` (`None` elsewhere; header first: the others allocate from
         it), on `device` except at the source."""
-        header = torch.zeros(8, dtype=torch.int64, device=self.device)
-        if self.rank == source:
-            header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-            header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-        self._in_place(lambda wire: dist.broadcast(wire, group=self.group, group_src=source), header)
-        dims, dtype, *shape = header.tolist()
+        header = _header(tensor, self.device) if self.rank == source else torch.zeros(8, dtype=torch.int64)
+        header = self._in_place(lambda wire: dist.broadcast(wire, group=self.group, group_src=source), header)
         if self.rank != source:
-            tensor = torch.empty(tuple(shape[:dims]), dtype=_DTYPES[dtype], device=self.device)
+            tensor = _allocated(header, self.device)
         return self.broadcast(tensor.detach(), source, kind=kind)
 
     def send(self, tensor: torch.Tensor, destination: int) -> None:
         """A tensor of any shape and dtype to `destination` (header first: the receiver allocates from it)."""
-        header = torch.zeros(8, dtype=torch.int64)
-        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
-        dist.send(self._wire(header), group=self.group, group_dst=destination)
+        dist.send(_header(tensor, self.device), group=self.group, group_dst=destination)
         COMMUNICATION["send"] += tensor.numel()
         dist.send(self._wire(tensor.detach()), group=self.group, group_dst=destination)
 
@@ -185,10 +178,23 @@ class ContextParallelGroup:
         """The tensor `send` sent, on `device` (the caller moves it where it is kept)."""
         header = torch.empty(8, dtype=torch.int64, device=self.device)
         dist.recv(header, group=self.group, group_src=source)
-        dims, dtype, *shape = header.tolist()
-        tensor = torch.empty(tuple(shape[:dims]), dtype=_DTYPES[dtype], device=self.device)
+        tensor = _allocated(header, self.device)
         dist.recv(tensor, group=self.group, group_src=source)
         return tensor
+
+
+def _header(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """What a receiver needs to allocate `tensor` (up to 6 dimensions): its rank, dtype and shape."""
+    header = torch.zeros(8, dtype=torch.int64)
+    header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+    return header.to(device)
+
+
+def _allocated(header: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An empty tensor as `_header` described it."""
+    dims, dtype, *shape = header.tolist()
+    return torch.empty(tuple(shape[:dims]), dtype=_DTYPES[dtype], device=device)
 
 
 def shard_bounds(num_tokens: int, size: int) -> list[tuple[int, int]]:

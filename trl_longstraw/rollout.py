@@ -137,7 +137,8 @@ def decode(
     stopped), as `generate` returns them after the prompt.
 
     `padded_prompts [batch, width]` is the batch as `generate` would get it (left-padded): the logits processors read
-    it (e.g. the repetition penalty, which `prepare_sampling` told where each row's padding ends). `step_logits`, if given, receives each step's raw `[batch, vocab]` logits.
+    it (e.g. the repetition penalty, which `prepare_sampling` told where each row's padding ends). `step_logits`, if
+    given, receives each step's raw `[batch, vocab]` logits.
     """
     batch = padded_prompts.shape[0]
     device = padded_prompts.device
