@@ -55,16 +55,23 @@ def test_level2_scores_equal_a_full_eager_forward(family, prefill_chunk, attenti
     assert torch.all(logps[1, 3:] == 0) and torch.all(logps[2, 5:] == 0)
 
 
-@pytest.mark.parametrize("family", sorted(DSA))
-def test_level2_sparse_dsa_selection(family):
-    # top-12 of up to 36 keys; 32 index heads so that no key scores exactly 0 (ReLU) and no tie sits at the boundary.
+def sparse_dsa_error(family, before_scoring=lambda model: None):
+    """Largest |log-prob difference| between capture + score (chunks of 7, key blocks of 5) and one full eager
+    forward, at top-12 of up to 36 keys: 32 index heads, so that no key scores exactly 0 (ReLU) and no tie sits at
+    the selection boundary. `before_scoring(model)` runs between building the models and the scoring."""
     eager, model = eager_and_prepared(family, index_topk=12, index_n_heads=32)
+    before_scoring(model)
     prompt, completions, lengths = case()
     engine = LongStrawEngine(7, 5)
     with torch.no_grad():
         want, _ = full_forward(eager, prompt, completions, lengths, offset=0)
         logps, _ = engine.score(model, engine.capture(model, prompt, 0), prompt[-1:], completions, lengths, 1)
-    assert (logps - want).abs().max() <= 1e-5
+    return (logps - want).abs().max()
+
+
+@pytest.mark.parametrize("family", sorted(DSA))
+def test_level2_sparse_dsa_selection(family):
+    assert sparse_dsa_error(family) <= 1e-5
 
 
 @pytest.mark.parametrize("family", sorted(DSA))
@@ -74,7 +81,6 @@ def test_dsa_indexer_scores_one_block_of_prompt_keys_at_a_time(family, monkeypat
     eager forward's (top-12 of up to 36 keys)."""
     from trl_longstraw.state import dsa
 
-    eager, model = eager_and_prepared(family, index_topk=12, index_n_heads=32)
     blocks, own = [], []
     visit_block, select = dsa.block_candidates, dsa.IndexerKeys.select
 
@@ -88,12 +94,7 @@ def test_dsa_indexer_scores_one_block_of_prompt_keys_at_a_time(family, monkeypat
 
     monkeypatch.setattr(dsa, "block_candidates", recording_block)
     monkeypatch.setattr(dsa.IndexerKeys, "select", recording_select)
-    prompt, completions, lengths = case()
-    engine = LongStrawEngine(7, 5)
-    with torch.no_grad():
-        want, _ = full_forward(eager, prompt, completions, lengths, offset=0)
-        logps, _ = engine.score(model, engine.capture(model, prompt, 0), prompt[-1:], completions, lengths, 1)
-    assert (logps - want).abs().max() <= 1e-5
+    assert sparse_dsa_error(family) <= 1e-5
     assert max(blocks) == 5 and len(blocks) > len(own)  # several blocks per indexer call, none wider than a chunk
     assert all(columns == tokens for columns, tokens in own)  # the model's own call: its own keys only
 
@@ -103,26 +104,22 @@ def test_an_interrupted_dsa_selection_leaves_later_topk_calls_alone(monkeypatch)
     every later `topk` through, and the next capture must select as usual."""
     from trl_longstraw.state import dsa
 
-    eager, model = eager_and_prepared("glm_moe_dsa", index_topk=12, index_n_heads=32)
-    prompt, completions, lengths = case()
-    engine = LongStrawEngine(7, 5)
     visit_block = dsa.block_candidates
+    modes = torch._C._len_torch_function_stack()
 
     def interrupted(*args):
         raise KeyboardInterrupt
 
-    modes = torch._C._len_torch_function_stack()
-    monkeypatch.setattr(dsa, "block_candidates", interrupted)
-    with pytest.raises(KeyboardInterrupt), torch.no_grad():
-        engine.capture(model, prompt, 0)
-    monkeypatch.setattr(dsa, "block_candidates", visit_block)
-    assert torch._C._len_torch_function_stack() == modes + 1  # the stale mode, inert
-    scores = torch.randn(3, 5, 9)
-    assert torch.equal(torch.topk(scores, 2).indices, scores.sort(-1, descending=True).indices[..., :2])
-    with torch.no_grad():
-        want, _ = full_forward(eager, prompt, completions, lengths, offset=0)
-        logps, _ = engine.score(model, engine.capture(model, prompt, 0), prompt[-1:], completions, lengths, 1)
-    assert (logps - want).abs().max() <= 1e-5
+    def interrupt_a_capture(model):
+        monkeypatch.setattr(dsa, "block_candidates", interrupted)
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            LongStrawEngine(7, 5).capture(model, case()[0], 0)
+        monkeypatch.setattr(dsa, "block_candidates", visit_block)
+        assert torch._C._len_torch_function_stack() == modes + 1  # the stale mode, inert
+        scores = torch.randn(3, 5, 9)
+        assert torch.equal(torch.topk(scores, 2).indices, scores.sort(-1, descending=True).indices[..., :2])
+
+    assert sparse_dsa_error("glm_moe_dsa", interrupt_a_capture) <= 1e-5
     assert torch._C._len_torch_function_stack() == modes  # the next indexer call left it
 
 
