@@ -124,7 +124,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--completion-length", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=4096)
-    parser.add_argument("--models", default="all", help="comma-separated prefixes of the model labels (tiny, wide, ...)")
+    parser.add_argument(
+        "--models", default="all", help="comma-separated prefixes of the model labels (tiny, wide, ...)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))

@@ -129,9 +129,10 @@ def breakdown(name: str, label: str, account: UpdateAccount) -> str:
         "GiB)"
     )
     if account.lora:
+        dtype = {2: "bf16", 4: "fp32"}.get(account.lora.value_bytes, f"{account.lora.value_bytes}-byte")
         lines.append(
-            f"  LoRA rank {account.lora.rank}: {account.lora.params / 1e6:,.1f}M values x 16 B "
-            f"(fp32 weight, grad, exp_avg, exp_avg_sq) = {gib(account.lora.bytes)} GiB"
+            f"  LoRA rank {account.lora.rank}: {account.lora.params / 1e6:,.1f}M values x {4 * account.lora.value_bytes} "
+            f"B ({dtype} weight, grad, exp_avg, exp_avg_sq) = {gib(account.lora.bytes)} GiB"
         )
     lines.append("  state: " + ", ".join(f"{label} {gib(n)} GiB" for label, n in account.state.items()))
     for graph_name, graph in (("replay (estimate)", account.replay), ("capture chunk (estimate)", account.capture)):
@@ -142,6 +143,13 @@ def breakdown(name: str, label: str, account: UpdateAccount) -> str:
         )
         lines.append(f"  {graph_name}, {graph.tokens:,} tokens: {gib(graph.bytes)} GiB = {terms}")
     lines.append(f"  group scalars (G x R fp32 x 8): {account.group_scalars / 2**20:.2f} MiB")
+    setup = account.setup
+    on_device = account.state_bytes if setup.state_device == "device" else 0
+    lines.append(
+        f"  rollout: {setup.prompts_per_generation} prompt state(s) + {setup.prompts_per_generation} x G rows' decoded "
+        f"tokens ({account.decoded_row / 2**20:,.1f} MiB a row) = {gib(account.rollout_bytes(on_device))} GiB on the "
+        "device"
+    )
     return "\n".join(lines)
 
 
@@ -169,9 +177,7 @@ class RankAccount:
     @property
     def device_bytes(self) -> int:
         """The whole update's device bytes with the whole prompt state replaced by this rank's share."""
-        if not self.on_device:
-            return self.account.device_bytes
-        return self.account.device_bytes - self.account.state_bytes + self.state_bytes
+        return self.account.device_total(self.state_bytes if self.on_device else 0)
 
     @property
     def on_device(self) -> bool:
@@ -211,22 +217,36 @@ def recipe_setup(path: Path, prompt_tokens: int) -> tuple[str, str, UpdateSetup,
         raise SystemExit(f"{path}: no file in {ARCHITECTURES} has _source {model!r}")
     if recipe.get("prompt_gradient", "detach") != "detach":
         raise SystemExit(f"{path}: the update account is detach mode only (prompt_gradient: detach)")
-    quantized = recipe.get("load_in_4bit", False) and recipe.get("bnb_4bit_quant_type", "nf4") == "nf4"
-    targets = recipe.get("lora_target_modules")
+    from trl import ModelConfig
+
+    from trl_longstraw import LongStrawGRPOConfig
+
+    defaults = {f.name: f.default for config in (LongStrawGRPOConfig, ModelConfig) for f in dataclasses.fields(config)}
+
+    def get(key):
+        return recipe.get(key, defaults[key])
+
+    quantized = get("load_in_4bit") and get("bnb_4bit_quant_type") == "nf4"
+    targets = get("lora_target_modules")
     checkpointing = recipe.get("activation_checkpointing", recipe.get("gradient_checkpointing")) or False
+    # A rollout keeps one prompt state per distinct prompt of a process's generation batch; vLLM generates elsewhere.
+    steps_per_generation = get("steps_per_generation") or get("gradient_accumulation_steps")
+    rollout = get("rollout_from_prompt_state") is not False and not get("use_vllm")
+    prompts = get("per_device_train_batch_size") * steps_per_generation // get("num_generations") if rollout else 0
     setup = UpdateSetup(
         prompt_tokens=prompt_tokens,
-        completion_tokens=recipe.get("max_completion_length", 256),
-        group_size=recipe.get("num_generations", 8),
+        completion_tokens=get("max_completion_length"),
+        group_size=get("num_generations"),
         quantization="nf4" if quantized else "none",
-        double_quant=recipe.get("use_bnb_nested_quant", False),
-        lora_rank=recipe.get("lora_r", 16) if recipe.get("use_peft", False) else None,
-        lora_targets=tuple(targets) if targets else "all-linear",
-        state_dtype=recipe.get("prompt_state_dtype", "auto"),
-        state_device="cpu" if recipe.get("prompt_state_device") == "cpu" else "device",
+        double_quant=get("use_bnb_nested_quant"),
+        lora_rank=get("lora_r") if get("use_peft") else None,
+        lora_targets=tuple(targets) if isinstance(targets, list) else targets,
+        state_dtype=get("prompt_state_dtype"),
+        state_device="cpu" if get("prompt_state_device") == "cpu" else "device",
         activation_checkpointing=checkpointing,
-        prefill_chunk_size=recipe.get("prefill_chunk_size", 2048),
-        attention_chunk_size=recipe.get("attention_chunk_size", 4096),
+        prefill_chunk_size=get("prefill_chunk_size"),
+        attention_chunk_size=get("attention_chunk_size"),
+        prompts_per_generation=max(prompts, 1) if rollout else 0,
     )
     weights = "NF4 QLoRA" if quantized else "bf16 LoRA"
     label = f"`{path.name}`: {weights} r{setup.lora_rank}, {'checkpointing' if checkpointing else 'no checkpointing'}"

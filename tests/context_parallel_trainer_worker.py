@@ -3,7 +3,8 @@
 
 The CP group draws the rows one process draws (`SharedRowsSampler`: a generation batch of one prompt, from the same
 seed), so the two runs must take the same optimizer step; each rank also reports the first rows a fresh dataloader
-hands it, which must be the same on both ranks.
+hands it, which must be the same on both ranks, and then evaluates: the CP group must evaluate every eval prompt once
+per member, as one process does.
 """
 
 import sys
@@ -19,7 +20,12 @@ from trl_longstraw.embedded import build_model, build_tokenizer
 PROMPTS = [f"the key is {4217 + i}. " + "lorem ipsum " * (i % 3 + 1) + "what is the key?" for i in range(8)]
 
 
-def char_code_reward(completions, **kwargs):
+EVAL_PROMPTS = [f"the key is {90 + i}. what is the key?" for i in range(4)]
+SEEN_PROMPTS: list[str] = []
+
+
+def char_code_reward(prompts, completions, **kwargs):
+    SEEN_PROMPTS.extend(prompts)
     return [float(sum(map(ord, completion)) % 7) for completion in completions]
 
 
@@ -27,6 +33,7 @@ def step(prompt_gradient: str, context_parallel_size: int, family: str) -> dict:
     args = LongStrawGRPOConfig(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=3,
+        per_device_eval_batch_size=3,
         num_generations=3,
         max_completion_length=5,
         max_steps=1,
@@ -54,7 +61,11 @@ def step(prompt_gradient: str, context_parallel_size: int, family: str) -> dict:
     trainer.train()
     logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
     first_rows = [row["prompt"] for row in next(iter(trainer.get_train_dataloader()))]  # after training: no effect
+    SEEN_PROMPTS.clear()
+    metrics = trainer.evaluate(Dataset.from_dict({"prompt": EVAL_PROMPTS}))
     return {
+        "eval_prompts": sorted(SEEN_PROMPTS),
+        "eval_reward": metrics["eval_reward"],
         "first_rows": first_rows,
         "update": {name: (p.detach() - initial[name]).clone() for name, p in trainer.model.named_parameters()},
         "loss": logged["loss"],

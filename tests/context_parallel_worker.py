@@ -267,15 +267,15 @@ def run_on_device(rank, world_size, init_file, cases, rollout_families, out_dir,
 
 
 def run_data_and_context_parallel(rank, world_size, init_file, mode, out_dir):
-    """dp = 2 x cp = 2: each CP group updates on its own prompt, then gradients are averaged across the DP group;
-    every rank must end with the mean of the two prompts' single-process gradients."""
-    from trl_longstraw.context_parallel import build_parallel_groups
+    """dp = 2 x cp = 2: each CP group updates on its own prompt, then gradients are averaged over the world (as the
+    trainer does); every rank must end with the mean of the two prompts' single-process gradients."""
+    from trl_longstraw.context_parallel import build_context_parallel_group
     from trl_longstraw.distributed import average_gradients
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        groups = build_parallel_groups(2)
+        context = build_context_parallel_group(2)
         model = build_model("qwen3", seed=0)
         prepare_model(model)
         add_fused_lm_head(model, outputs=("log_probs", "entropy"))
@@ -283,17 +283,16 @@ def run_data_and_context_parallel(rank, world_size, init_file, mode, out_dir):
         reference = LongStrawEngine(8, 4, prompt_gradient=mode)
         wanted = [update(reference, model, *c)[3] for c in cases]
         want = {name: (wanted[0][name] + wanted[1][name]) / 2 for name in wanted[0]}
-        sharded = ContextParallelEngine(8, 4, prompt_gradient=mode, context_parallel=groups.context)
+        sharded = ContextParallelEngine(8, 4, prompt_gradient=mode, context_parallel=context)
         update(sharded, model, *cases[rank // 2])  # CP group k = ranks 2k, 2k + 1 takes prompt k
         params = [p for p in model.parameters() if p.grad is not None]
-        average_gradients(params, groups.data)
+        average_gradients(params)
         grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
         flat = torch.cat([g.reshape(-1) for g in grads.values()])
         gathered = [torch.empty_like(flat) for _ in range(world_size)]
         dist.all_gather(gathered, flat)
         result = {
-            "context_ranks": dist.get_process_group_ranks(groups.context.group),
-            "data_ranks": dist.get_process_group_ranks(groups.data),
+            "context_ranks": dist.get_process_group_ranks(context.group),
             "grad_errors": relative_errors(grads, want, 0.0),
             "rank_difference": max((g - gathered[0]).abs().max().item() for g in gathered),
         }

@@ -35,13 +35,25 @@ def architecture(name):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("prompt_gradient", ["detach", "exact"])
-def test_accounting_matches_a_captured_state(family, prompt_gradient):
+@pytest.mark.parametrize("prompt_length", [45, 3])  # 3: shorter than the tiny configs' sliding window of 6
+def test_accounting_matches_a_captured_state(family, prompt_gradient, prompt_length):
     model = prepared(build_model(family))
-    prompt, _, _ = case(prompt_length=45)
+    prompt, _, _ = case(prompt_length=prompt_length)
     engine = LongStrawEngine(64, 16, prompt_gradient=prompt_gradient)  # one capture chunk: one exact-mode boundary
     state = engine.capture(model, prompt, first_position=0)
     account = prompt_state_account(model.config, dtype_bytes=4, exact=prompt_gradient == "exact")
+    assert account.bytes(prompt_length - 1) == state.nbytes()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "mistral", "qwen3"])
+def test_exact_accounting_counts_every_capture_chunk_boundary(family):
+    """The exact prompt gradient keeps the recurrent states at every capture chunk's boundary (3 chunks here)."""
+    model = prepared(build_model(family))
+    prompt, _, _ = case(prompt_length=45)
+    state = LongStrawEngine(16, 16, prompt_gradient="exact").capture(model, prompt, first_position=0)
+    account = prompt_state_account(model.config, dtype_bytes=4, exact=True, prefill_chunk_size=16)
     assert account.bytes(44) == state.nbytes()
+    assert sum(prompt_state_bytes(model.config, 44, 4, exact=True, prefill_chunk_size=16).values()) == state.nbytes()
 
 
 def test_glm5_keeps_576_latent_values_per_token_per_layer():
@@ -199,6 +211,12 @@ def test_one_h200_holds_the_qwen3_6_27b_update_at_2m_positions_only_with_fp8_sta
     assert fp8.state["gated_deltanet"] == bf16.state["gated_deltanet"]  # recurrent states stay fp32
     assert fp8.device_bytes < h200 < bf16.device_bytes
     assert fp8.host_bytes == 0
+    # A rollout holds one prompt state per prompt of its generation batch: TRL's default steps_per_generation (the
+    # recipe's 4 micro-steps) would put four on the device at once.
+    four = update_account(architecture("qwen3_6_27b"), dataclasses.replace(setup, prompts_per_generation=4))
+    assert four.rollout_bytes(four.state_bytes) == 4 * (four.state_bytes + 8 * four.decoded_row)
+    assert four.device_bytes - four.weights.bytes - four.lora.bytes == four.rollout_bytes(four.state_bytes) > h200
+    assert fp8.lora.value_bytes == 2  # TRL keeps QLoRA adapters (and so AdamW's moments) in bf16
 
 
 def test_host_resident_state_leaves_the_device():

@@ -138,27 +138,47 @@ def test_context_parallel_size_is_taken_from_accelerate_and_a_disagreement_is_re
 def test_groups_need_a_distributed_launch_and_a_world_the_size_divides(tmp_path):
     import torch.distributed as dist
 
-    from trl_longstraw.context_parallel import ContextParallelError, build_parallel_groups
+    from trl_longstraw.context_parallel import ContextParallelError, build_context_parallel_group
 
     with pytest.raises(ContextParallelError, match="needs a distributed launch: run `accelerate launch"):
-        build_parallel_groups(2)
+        build_context_parallel_group(2)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         with pytest.raises(ContextParallelError, match="does not divide the 1 processes.*launch a multiple of 2"):
-            build_parallel_groups(2)
+            build_context_parallel_group(2)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_broadcasting_never_writes_into_the_sources_tensor(tmp_path):
+    """The source's tensor may be an activation autograd saved (exact mode's recompute broadcasts hidden states for
+    the DSA indexer): a copy made for the wire (another device, or here a non-contiguous view) must not be written
+    back into it, which would bump its version and break the backward."""
+    import torch.distributed as dist
+
+    from trl_longstraw.context_parallel import ContextParallelGroup
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        leaf = torch.randn(3, 4, requires_grad=True)
+        saved = (leaf * 2).t()  # non-contiguous: the wire gets a contiguous copy
+        loss = (saved * saved).sum()  # saves `saved` for backward
+        version = saved._version
+        ContextParallelGroup.of(None).broadcast_tensor(saved.detach(), source=0, kind="test")
+        assert saved._version == version
+        loss.backward()
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("mode", ["detach", "exact"])
 def test_data_times_context_parallel_ranks_end_with_the_mean_single_process_gradient(tmp_path, mode):
-    """4 ranks, dp = 2 x cp = 2: CP groups {0, 1} and {2, 3} take one prompt each, DP groups {0, 2} and {1, 3}."""
+    """4 ranks, dp = 2 x cp = 2: CP groups {0, 1} and {2, 3} take one prompt each; the world averages gradients."""
     args = (4, str(tmp_path / "init"), mode, str(tmp_path))
     mp.start_processes(run_data_and_context_parallel, args=args, nprocs=4, join=True, start_method="fork")
     for rank in range(4):
         result = torch.load(tmp_path / f"dpcp-{mode}-rank{rank}.pt")
         assert result["context_ranks"] == [rank // 2 * 2, rank // 2 * 2 + 1]
-        assert result["data_ranks"] == [rank % 2, rank % 2 + 2]
         worst = max(result["grad_errors"], key=result["grad_errors"].get)
         assert result["grad_errors"][worst] <= 1e-4, worst
         assert result["rank_difference"] == 0.0

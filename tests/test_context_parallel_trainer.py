@@ -1,13 +1,16 @@
 """The trainer with context_parallel_size=2 on 2 CPU ranks (gloo) takes the single-process optimizer step: same rows,
 same loss, same grad norm, the same update of every weight, and bitwise the same weights on both ranks, in both
-modes."""
+modes; then evaluates the eval set one process evaluates."""
 
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+
+from trl_longstraw import LongStrawGRPOTrainer
 
 from .test_distributed import free_port
 
@@ -44,4 +47,26 @@ def test_two_context_parallel_ranks_take_the_single_process_step(tmp_path, famil
                 assert torch.equal(update, ranks[0][mode]["update"][name]), (mode, name)
             assert got[mode]["first_rows"] == ranks[0][mode]["first_rows"]  # the CP group draws one set of rows
             assert got[mode]["rollouts"] == want["rollouts"] == 1  # decoded from the (sharded) prompt state
+            assert got[mode]["eval_prompts"] == want["eval_prompts"]  # every eval prompt, num_generations times
+            assert got[mode]["eval_reward"] == pytest.approx(want["eval_reward"])
         assert ranks[0][mode]["first_rows"] == want["first_rows"]
+
+
+def test_eval_batches_under_context_parallelism_hold_whole_groups_and_end_full():
+    """The ranks of a CP group must draw identical eval batches (`SharedRowsSampler`), refused otherwise with the fix."""
+    trainer = SimpleNamespace(
+        _context_parallel=SimpleNamespace(size=2),
+        args=SimpleNamespace(per_device_eval_batch_size=4, dataloader_drop_last=False),
+        num_generations_eval=3,
+    )
+    check = LongStrawGRPOTrainer._check_eval_batches
+    with pytest.raises(
+        ValueError, match="per_device_eval_batch_size=4 to hold whole groups of num_generations_eval=3"
+    ):
+        check(trainer, 4)
+    trainer.args.per_device_eval_batch_size = 6
+    with pytest.raises(ValueError, match="5 prompts x num_generations_eval=3 rows do not fill whole batches"):
+        check(trainer, 5)
+    check(trainer, 4)  # 12 rows: two full batches
+    trainer.args.dataloader_drop_last = True
+    check(trainer, 5)  # the partial last batch is dropped on every rank

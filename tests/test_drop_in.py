@@ -207,6 +207,26 @@ def test_zero_gradient_batch_leaves_zero_gradients_not_none(fresh_model, tokeniz
     assert all(not grad.any() for grad in grads)
 
 
+def test_a_parameter_first_reached_later_keeps_a_gradient_from_then_on(
+    fresh_model, tokenizer, prompt_dataset, tmp_path
+):
+    # Routing can reach a parameter for the first time many steps in (an expert first chosen late); from then on it is
+    # one of the parameters every rank averages, and it gets zeros in a backward that replays nothing, as the others.
+    trainer = make_trainer(LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path, beta=0.0)
+    late = trainer.model.model.layers[1].mlp.down_proj.weight
+    inputs = synthetic_inputs(len(tokenizer))
+    late.requires_grad_(False)  # not reached by the first backward
+    trainer.replay_and_backward(trainer.model, inputs)
+    late.requires_grad_(True)
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.replay_and_backward(trainer.model, inputs)  # reached now
+    assert late.grad is not None and late.grad.any()
+    trainer.model.zero_grad(set_to_none=True)
+    inputs["advantages"] = torch.zeros_like(inputs["advantages"])
+    trainer.replay_and_backward(trainer.model, inputs)  # replays nothing
+    assert late.grad is not None and not late.grad.any()
+
+
 def test_all_truncated_group_under_mask_truncated_completions(fresh_model, tokenizer, prompt_dataset, tmp_path):
     model = fresh_model()
     settings = {"mask_truncated_completions": True, "prompt_gradient": "exact"}

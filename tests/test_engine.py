@@ -1,6 +1,8 @@
 """The engine's own contracts: what a capture keeps, one-token prompts, stale state, numerics, the prepared-model
 guard, host-resident state. Every family's ladder levels are in `test_families.py`."""
 
+import copy
+
 import pytest
 import torch
 from trl.trainer.utils import add_fused_lm_head
@@ -167,3 +169,27 @@ def test_activation_checkpointing_replays_from_the_prompt_state(family):
     assert plain_grads.keys() == checkpointed_grads.keys()
     for name, grad in plain_grads.items():
         assert torch.allclose(checkpointed_grads[name], grad, atol=1e-6, rtol=1e-5), name
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
+def test_mla_absorption_keeps_a_kv_b_proj_bias(family):
+    """The absorbed MLA reads the latents, not per-head K/V: a `kv_b_proj` bias must still reach the values (the
+    key bias is a per-query constant the softmax ignores)."""
+    model = build_model(family, seed=0)
+    for layer in model.model.layers:
+        dense = layer.self_attn.kv_b_proj
+        biased = torch.nn.Linear(dense.in_features, dense.out_features, bias=True)
+        with torch.no_grad():
+            biased.weight.copy_(dense.weight)
+            biased.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(layer.self_attn.layer_idx))
+        layer.self_attn.kv_b_proj = biased
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    add_fused_lm_head(eager, outputs=("log_probs", "entropy"))
+    model = prepared(model)
+    prompt, completions, lengths = case(prompt_length=20)
+    engine = LongStrawEngine(8, 4)
+    with torch.no_grad():
+        want, _ = full_forward(eager, prompt, completions, lengths)
+        scored, _ = engine.score(model, engine.capture(model, prompt, 0), prompt[-1:], completions, lengths, 3)
+    assert (scored - want).abs().max() <= 1e-5

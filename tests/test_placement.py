@@ -6,6 +6,7 @@ import torch
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine
 from trl_longstraw.state.placement import FP8_MAX, FP8_PAGE_TOKENS, Pages, Placement, dequantize_pages
+from trl_longstraw.state.recurrent import ConvRecurrentState
 
 from .test_engine import case, prepared
 
@@ -85,3 +86,22 @@ def test_fp8_state_with_the_exact_prompt_gradient_is_refused():
         LongStrawEngine(8, 8, prompt_gradient="exact", prompt_state_dtype="float8_e4m3fn").capture(
             prepared(build_model("qwen3")), case()[0], 0
         )
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_each_capture_chunk_stages_the_recurrent_states_it_continues(family, monkeypatch):
+    """A host-resident state on a GPU must come back to the compute device before the next capture chunk continues
+    it. The GPU tests check the devices; on CPU this checks the route: every chunk after the first reads each
+    recurrent layer's conv and recurrent states through `Placement.stage`."""
+    staged = []
+    stage = Placement.stage
+    monkeypatch.setattr(
+        Placement, "stage", staticmethod(lambda tensor, device: staged.append(tensor) or stage(tensor, device))
+    )
+    model = prepared(build_model(family))
+    prompt, _, _ = case(prompt_length=33)  # 32 captured tokens: 4 chunks of 8
+    state = LongStrawEngine(8, 4, state_device=torch.device("cpu")).capture(model, prompt, 0)
+    for layer in (layer for layer in state.layers if isinstance(layer, ConvRecurrentState)):
+        for final in (layer.conv[-1], layer.recurrent[-1]):
+            same_shape = [tensor for tensor in staged if tensor.shape == final.shape]
+            assert len(same_shape) >= 3, (layer.layer_idx, tuple(final.shape))

@@ -1,12 +1,15 @@
-"""The demo recipe runs end to end (shortened): TrlParser config, embedded model and task, the phase table."""
+"""The demo recipe runs end to end (shortened): TrlParser config, embedded model and task, the phase table; every
+shipped recipe config parses into the recipe's arguments."""
 
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+CONFIGS = Path(RECIPES).parent / "configs"
 
 
 @pytest.mark.slow
@@ -51,3 +54,22 @@ def test_demo_recipe_runs_and_prints_the_phase_table(tmp_path):
     assert "stock GRPOTrainer" in result.stdout and "LongStrawGRPOTrainer" in result.stdout
     for phase in ("capture", "capture_ref", "score", "optimizer"):
         assert any(line.startswith(phase) and "not logged" not in line for line in result.stdout.splitlines()), phase
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda path: path.name)
+def test_every_recipe_config_parses_into_the_recipe_arguments(config, monkeypatch):
+    """Every key of every shipped YAML is a field the recipe's TrlParser knows (a typo would stop a GPU run)."""
+    from trl import ModelConfig, TrlParser
+
+    from trl_longstraw import LongStrawGRPOConfig
+
+    monkeypatch.syspath_prepend(RECIPES)
+    from grpo_longstraw import LongStrawScriptArguments
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    parser = TrlParser((LongStrawScriptArguments, LongStrawGRPOConfig, ModelConfig))
+    # bf16 and the CP size are the GPU runs' own; everything else is parsed and validated as written
+    _, training, model = parser.parse_args_and_config(
+        args=["--config", str(config), "--bf16", "false", "--use_cpu", "true", "--output_dir", "/tmp/unused"]
+    )
+    assert model.model_name_or_path and training.num_generations

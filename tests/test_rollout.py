@@ -8,7 +8,13 @@ from trl_longstraw import LongStrawGRPOTrainer
 from trl_longstraw.accounting import prompt_state_account
 from trl_longstraw.embedded import FAMILIES, build_model
 from trl_longstraw.engine import LongStrawEngine, prepare_model
-from trl_longstraw.rollout import PromptRows, UnsupportedRolloutError, decode, prepare_sampling
+from trl_longstraw.rollout import (
+    PromptRows,
+    UnsupportedRolloutError,
+    check_generation_config,
+    decode,
+    prepare_sampling,
+)
 from trl_longstraw.state.suffix import Suffix
 
 from .conftest import GROUP_SIZE, make_trainer
@@ -136,8 +142,8 @@ def test_decoding_leaves_the_prompt_state_untouched(family):
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "glm_moe_dsa", "gemma3_text", "gpt_oss"])
 def test_decode_memory_is_one_prompt_state_plus_a_suffix_per_row(family):
     """Suffix bytes = rows x (capacity x per-token bytes + fixed windowed and recurrent bytes), from the state
-    accounting: what G adds is the rows' own decoded tokens (a sliding window's last `window - 1` of them), never
-    another copy of the prompt."""
+    accounting (`account.bytes(capacity)`, the accounting's decoded row): what G adds is the rows' own decoded tokens
+    (a sliding window's last `window - 1` of them), never another copy of the prompt."""
     model = build_model(family, seed=0).float()
     prompts = random_prompts(model, [19])
     account = prompt_state_account(model.config, dtype_bytes=4)
@@ -150,7 +156,7 @@ def test_decode_memory_is_one_prompt_state_plus_a_suffix_per_row(family):
         tokens = prompts[0][-1:].expand(rows, 1)
         for _ in range(8):  # past the tiny configs' window of 6: a windowed layer keeps 5 entries
             engine.decode(model, state, suffix, tokens)
-        assert suffix.nbytes() == rows * (10 * account.bytes_per_token() + fixed)
+        assert suffix.nbytes() == rows * (10 * account.bytes_per_token() + fixed) == rows * account.bytes(10)
 
 
 def test_trainer_captures_each_prompt_once_per_step_on_policy(tokenizer, prompt_dataset, tmp_path):
@@ -187,6 +193,20 @@ def test_generation_settings_a_rollout_cannot_serve_fall_back_or_are_refused(tok
             rollout_from_prompt_state=True,
             **beams,
         )
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ({"token_healing": True}, "token_healing=True"),
+        ({"cache_implementation": "quantized"}, "cache_implementation='quantized'"),
+        ({"guidance_scale": 1.5}, "guidance_scale=1.5"),
+    ],
+)
+def test_generation_settings_that_change_what_generate_samples_are_not_ignored(setting, message):
+    model = build_model("qwen3")
+    with pytest.raises(UnsupportedRolloutError, match=message):
+        check_generation_config(model, GenerationConfig(do_sample=True, **setting))
 
 
 def test_rollout_and_vllm_are_one_generator_too_many():

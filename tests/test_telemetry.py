@@ -1,13 +1,14 @@
 """Telemetry users can trust: per mode, per phase, measured inside the phase, and no process-wide counter reset."""
 
 import os
+import threading
 import time
 
 import pytest
 import torch
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
-from trl_longstraw.telemetry import PhaseTelemetry
+from trl_longstraw.telemetry import PeakSampler, PhaseTelemetry
 
 from .conftest import length_reward, make_trainer, synthetic_inputs, trainer_args
 
@@ -36,6 +37,32 @@ def test_a_spike_inside_a_phase_is_measured_as_that_phase_s(tmp_path):
     assert metrics["longstraw/replay/rss_added_gib"] >= 0.2
     assert metrics["longstraw/score/rss_added_gib"] < 0.05
     assert metrics["longstraw/replay/count"] == 1 and metrics["longstraw/replay/time_s"] >= 0.05
+
+
+def test_a_reading_the_sampler_took_in_one_span_never_lands_in_the_next():
+    sampler_read = threading.Event()
+    release = threading.Event()
+    readings = []
+
+    def read():
+        if threading.current_thread().name != "longstraw-memory-sampler":
+            return 1
+        readings.append(None)
+        if len(readings) == 1:  # the sampler's first reading, in span A: a spike, reported after span B has begun
+            sampler_read.set()
+            release.wait(5)
+            return 1000
+        return 1
+
+    sampler = PeakSampler(read, interval_s=0.001)
+    sampler.start()  # span A
+    assert sampler_read.wait(5)
+    sampler.stop()
+    sampler.start()  # span B
+    release.set()
+    while len(readings) < 3:  # the spike is in, and B has been sampled since
+        time.sleep(0.001)
+    assert sampler.stop() == 1
 
 
 def test_train_and_eval_accumulate_separately():

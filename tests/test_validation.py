@@ -77,16 +77,17 @@ def test_unsupported_layer_type_is_named():
         check_supported(config)
 
 
-def test_support_is_decided_by_the_modules_not_the_model_type(tmp_path):
-    """A remote-code model (its own model_type and classes) built from supported modules is accepted."""
-    (tmp_path / "configuration_tiny.py").write_text(
+def write_remote_code_model(path):
+    """A tiny qwen3 saved as a remote-code model: its own model_type and classes, built from supported modules."""
+    build_model("qwen3", seed=0).save_pretrained(path)
+    (path / "configuration_tiny.py").write_text(
         "from transformers import Qwen3Config\n\n\nclass TinyConfig(Qwen3Config):\n    model_type = 'tiny_remote'\n"
     )
-    (tmp_path / "modeling_tiny.py").write_text(
+    (path / "modeling_tiny.py").write_text(
         "from transformers import Qwen3ForCausalLM\n\nfrom .configuration_tiny import TinyConfig\n\n\n"
         "class TinyForCausalLM(Qwen3ForCausalLM):\n    config_class = TinyConfig\n"
     )
-    config = tiny_config("qwen3").to_dict()
+    config = json.loads((path / "config.json").read_text())
     config.update(
         model_type="tiny_remote",
         auto_map={
@@ -94,10 +95,67 @@ def test_support_is_decided_by_the_modules_not_the_model_type(tmp_path):
             "AutoModelForCausalLM": "modeling_tiny.TinyForCausalLM",
         },
     )
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_support_is_decided_by_the_modules_not_the_model_type(tmp_path):
+    write_remote_code_model(tmp_path)
     remote = AutoConfig.from_pretrained(tmp_path, trust_remote_code=True)
     plans = check_supported(remote, trust_remote_code=True)
     assert [kind.name for plan in plans for kind, _ in plan.kinds] == ["attention", "attention"]
+
+
+def test_trust_remote_code_of_the_config_reaches_the_architecture_check(tmp_path, tokenizer, prompt_dataset):
+    """As in GRPOTrainer, `args.trust_remote_code` applies when `model_init_kwargs` does not set it."""
+    write_remote_code_model(tmp_path / "remote")
+    trainer = LongStrawGRPOTrainer(
+        model=str(tmp_path / "remote"),
+        reward_funcs=len,
+        args=trainer_args(LongStrawGRPOConfig, tmp_path, trust_remote_code=True),
+        train_dataset=prompt_dataset,
+        processing_class=tokenizer,
+    )
+    assert trainer.model.config.model_type == "tiny_remote"  # without the fallback: "contains custom code" error
+
+
+def test_a_prompt_learning_adapter_is_refused(tmp_path, tokenizer, prompt_dataset, fresh_model):
+    from peft import PromptTuningConfig
+
+    with pytest.raises(ValueError, match="peft_config is a PromptTuningConfig.*Use an adapter on the weights"):
+        make_trainer(
+            LongStrawGRPOTrainer,
+            fresh_model(),
+            tokenizer,
+            prompt_dataset,
+            tmp_path,
+            peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        )
+
+
+def test_active_dropout_is_refused(tmp_path, tokenizer, prompt_dataset, fresh_model):
+    from peft import LoraConfig
+
+    lora = LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj"], lora_dropout=0.3)
+    with pytest.raises(
+        ValueError, match=r"Dropout \S+q_proj.lora_dropout.default has p=0.3.*Set disable_dropout=True"
+    ):
+        make_trainer(
+            LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path, lora, disable_dropout=False
+        )
+
+
+def test_disable_dropout_false_is_accepted_for_a_model_without_dropout(tmp_path, tokenizer, prompt_dataset):
+    trainer = make_trainer(
+        LongStrawGRPOTrainer, build_model("qwen3"), tokenizer, prompt_dataset, tmp_path, disable_dropout=False
+    )
+    assert trainer.args.disable_dropout is False
+
+
+@pytest.mark.parametrize("variable", ["ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"])
+def test_deepspeed_or_fsdp_from_an_accelerate_config_is_refused(tmp_path, monkeypatch, variable):
+    monkeypatch.setenv(variable, "true")
+    with pytest.raises(ValueError, match=f"not DeepSpeed or FSDP \\({variable} set by an accelerate config\\)"):
+        trainer_args(LongStrawGRPOConfig, tmp_path)
 
 
 def test_attention_that_bypasses_the_attention_interface_is_refused():
@@ -131,6 +189,36 @@ def test_prompt_longer_than_the_model_positions(trainer, tokenizer):
     inputs = synthetic_inputs(len(tokenizer), prompt_lengths=(20, 7))
     with pytest.raises(ValueError, match="max_position_embeddings=24"):
         trainer.replay_and_backward(trainer.model, inputs)
+
+
+def longrope(original_max_position_embeddings):
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [8.0] * 8}
+    rope["original_max_position_embeddings"] = original_max_position_embeddings
+    return {"rope_parameters": rope, "original_max_position_embeddings": original_max_position_embeddings}
+
+
+def test_longrope_past_its_original_length_is_refused(tokenizer, prompt_dataset, tmp_path):
+    model = build_model("phi3", **longrope(8))
+    with pytest.raises(ValueError, match="spans 9 positions, more than this longrope model's .*=8"):
+        make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path, max_completion_length=8)
+
+
+def test_longrope_within_its_original_length_scores_as_stock(tokenizer, prompt_dataset, tmp_path):
+    from trl import GRPOTrainer
+
+    model = build_model("phi3", **longrope(32))  # 11 prompt + 6 completion positions: short factors throughout
+    stock = make_trainer(GRPOTrainer, model, tokenizer, prompt_dataset, tmp_path / "stock")
+    ours = make_trainer(
+        LongStrawGRPOTrainer, build_model("phi3", **longrope(32)), tokenizer, prompt_dataset, tmp_path / "ours"
+    )
+    inputs = synthetic_inputs(len(tokenizer))
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    width = inputs["completion_ids"].shape[1]
+    with torch.no_grad():
+        want = stock._get_per_token_logps_and_entropies(stock.model, ids, mask, width)[0]
+        got = ours._get_per_token_logps_and_entropies(ours.model, ids, mask, width)[0]
+    assert ((got - want) * inputs["completion_mask"]).abs().max() <= 1e-5
 
 
 def test_non_finite_member_is_named(trainer, tokenizer):

@@ -19,8 +19,9 @@ several times more). These are computed, not measured: the measured peaks are th
 
 The second half predicts the device memory of a whole LongStraw update (`update_account`): the weights by dtype or
 NF4 quantisation, LoRA adapters with their AdamW state, the prompt state by dtype (model dtype or fp8 pages) and
-placement (on the device or in host memory), and an estimate of the largest working set (one replay's autograd graph,
-or one capture chunk). The first three are byte counts checked against real allocations; the working set is an
+placement (on the device or in host memory), an estimate of the largest working set (one replay's autograd graph,
+or one capture chunk), and the rollout before the update (one prompt state per prompt of the generation batch, with
+its rows' decoded tokens). The first three are byte counts checked against real allocations; the working set is an
 estimate and is labelled so wherever it is printed.
 """
 
@@ -35,19 +36,27 @@ from transformers import PretrainedConfig
 
 from .architectures import check_supported, model_skeleton
 from .state.placement import FP8_PAGE_TOKENS
-from .state.registry import decoder_layers
+from .state.registry import LayerAccount, decoder_layers
 
 
 @dataclass
 class LayerTypeAccount:
-    """Bytes one layer of a kind keeps: `per_token` for each prompt token, plus `fixed` whatever the length."""
+    """`layers` layers of one kind and geometry, each keeping `part`'s bytes."""
 
-    layers: int = 0
-    per_token: int = 0
-    fixed: int = 0
+    layers: int
+    part: LayerAccount
+    chunk_size: int | None = None  # the capture chunk (`prefill_chunk_size`), for kinds kept once per chunk
+
+    @property
+    def per_token(self) -> int:
+        return self.part.per_token
+
+    @property
+    def fixed(self) -> int:
+        return self.part.fixed
 
     def bytes(self, num_tokens: int) -> int:
-        return self.layers * (self.per_token * num_tokens + self.fixed)
+        return self.layers * self.part.bytes(num_tokens, self.chunk_size)
 
 
 @dataclass
@@ -55,12 +64,14 @@ class StateAccount:
     """The durable prompt state of one group for a config, by state label (`full_attention`, `mla_latent`, ...)."""
 
     by_layer_type: dict[str, LayerTypeAccount] = field(default_factory=dict)
+    chunk_size: int | None = None
 
-    def add(self, label: str, per_token: int = 0, fixed: int = 0) -> None:
-        account = self.by_layer_type.setdefault(label, LayerTypeAccount(0, per_token, fixed))
-        if (account.per_token, account.fixed) != (per_token, fixed):  # same label, other geometry: keep both apart
-            label = f"{label} ({per_token} B/token, {fixed} B)"
-            account = self.by_layer_type.setdefault(label, LayerTypeAccount(0, per_token, fixed))
+    def add(self, part: LayerAccount) -> None:
+        label = part.label
+        account = self.by_layer_type.setdefault(label, LayerTypeAccount(0, part, self.chunk_size))
+        if account.part != part:  # same label, other geometry: keep both apart
+            label = f"{label} ({part.per_token} B/token, {part.fixed} B)"
+            account = self.by_layer_type.setdefault(label, LayerTypeAccount(0, part, self.chunk_size))
         account.layers += 1
 
     def bytes(self, num_tokens: int) -> int:
@@ -71,22 +82,27 @@ class StateAccount:
 
 
 def prompt_state_account(
-    config: PretrainedConfig, dtype_bytes: int = 2, exact: bool = False, trust_remote_code: bool = False
+    config: PretrainedConfig,
+    dtype_bytes: int = 2,
+    exact: bool = False,
+    trust_remote_code: bool = False,
+    prefill_chunk_size: int | None = None,
 ) -> StateAccount:
     """What LongStraw keeps for `config` (any config the engine accepts), in bytes, by state kind.
 
     `dtype_bytes` is the model's activation dtype (2 for bf16); recurrent states (GatedDeltaNet, Mamba2) are kept
-    in fp32. `exact=True` accounts windowed layers at full length (the exact prompt gradient needs every entry).
-    Raises `UnsupportedModelError` for a config the engine refuses.
+    in fp32. `exact=True` accounts windowed layers at full length and the recurrent states at every capture chunk's
+    boundary (the exact prompt gradient needs every entry), with chunks of `prefill_chunk_size` tokens (None: the
+    prompt in one chunk). Raises `UnsupportedModelError` for a config the engine refuses.
     """
     plans = check_supported(config, trust_remote_code=trust_remote_code)
     text_config = config.get_text_config()
-    account = StateAccount()
+    account = StateAccount(chunk_size=prefill_chunk_size)
     for plan in plans:
         for kind, mixer in plan.kinds:
             part = kind.account(mixer, text_config, plan.layer_type, dtype_bytes, exact)
             if part.label != "feed_forward":
-                account.add(part.label, part.per_token, part.fixed)
+                account.add(part)
     return account
 
 
@@ -238,7 +254,7 @@ class LoraAccount:
 def lora_account(
     config: PretrainedConfig,
     rank: int,
-    target_modules: str | Sequence[str] = "all-linear",
+    target_modules: str | Sequence[str] | None = "all-linear",
     value_bytes: int = FP32_BYTES,
     trust_remote_code: bool = False,
 ) -> LoraAccount:
@@ -255,7 +271,7 @@ def lora_account(
     import torch
 
     skeleton = model_skeleton(config, trust_remote_code=trust_remote_code)
-    targets = target_modules if isinstance(target_modules, str) else list(target_modules)
+    targets = target_modules if target_modules is None or isinstance(target_modules, str) else list(target_modules)
     with torch.device("meta"):
         adapted = peft.get_peft_model(skeleton, peft.LoraConfig(r=rank, target_modules=targets))
     trainable, _ = adapted.get_nb_trainable_parameters()
@@ -276,8 +292,10 @@ def prompt_state_bytes(
     state_dtype: Literal["auto", "float8_e4m3fn"] = "auto",
     exact: bool = False,
     trust_remote_code: bool = False,
+    prefill_chunk_size: int | None = None,
 ) -> dict[str, int]:
-    """Bytes of one captured state of `num_tokens` prompt tokens, by state label, as the capture allocates them.
+    """Bytes of one captured state of `num_tokens` prompt tokens, by state label, as the capture allocates them
+    (`exact`, `prefill_chunk_size`: as `prompt_state_account`).
 
     `state_dtype="float8_e4m3fn"` (detach mode only, as the engine) stores the K/V pages of full-attention layers in
     fp8 with per-(page, kv head) fp32 scales, and MLA latent pages with one fp32 scale per page; windowed layers keep
@@ -302,7 +320,7 @@ def prompt_state_bytes(
             elif state_dtype == "float8_e4m3fn" and part.label == "mla_latent":  # one page tensor, one "head"
                 nbytes = fp8_pages_bytes(1, part.per_token // dtype_bytes, num_tokens) // 2
             else:
-                nbytes = part.per_token * num_tokens + part.fixed
+                nbytes = part.bytes(num_tokens, prefill_chunk_size)
             by_label[part.label] = by_label.get(part.label, 0) + nbytes
     return by_label
 
@@ -467,21 +485,29 @@ class UpdateSetup:
     quantization: Literal["none", "nf4"] = "none"
     double_quant: bool = True
     lora_rank: int | None = 16  # None: full fine-tuning is not modelled; no adapters counted
-    lora_targets: str | tuple[str, ...] = "all-linear"
-    lora_value_bytes: int = FP32_BYTES
+    lora_targets: str | tuple[str, ...] | None = "all-linear"  # None: PEFT's default for the model type
+    lora_value_bytes: int | None = None  # None: as TRL keeps them, bf16 on a quantised model (TRL 1.16), else fp32
     state_dtype: Literal["auto", "float8_e4m3fn"] = "auto"
     state_device: Literal["device", "cpu"] = "device"
     activation_checkpointing: bool = True
     prefill_chunk_size: int = 2048
     attention_chunk_size: int = 4096
     dtype_bytes: int = 2
+    prompts_per_generation: int = 1  # distinct prompts of a process's generation batch (0: generation not modelled)
+
+    @property
+    def adapter_value_bytes(self) -> int:
+        if self.lora_value_bytes is not None:
+            return self.lora_value_bytes
+        return self.dtype_bytes if self.quantization == "nf4" else FP32_BYTES
 
 
 @dataclass(frozen=True)
 class UpdateAccount:
-    """Predicted memory of one detach-mode update. `device_bytes`: what the device holds at the update's peak (the
-    weights, the adapters and their optimizer state, the prompt state if it lives there, the larger of the replay's
-    and the capture chunk's working sets, and the group's per-token scalars); `host_bytes`: a host-resident state."""
+    """Predicted memory of one detach-mode update and the rollout before it. `device_bytes`: what the device holds at
+    the larger of two peaks, both beside the weights and the adapters with their optimizer state: the update's (the
+    prompt state if it lives there, the larger of the replay's and the capture chunk's working sets, and the group's
+    per-token scalars) and the rollout's (`rollout_bytes`); `host_bytes`: a host-resident state."""
 
     setup: UpdateSetup
     weights: WeightAccount
@@ -490,6 +516,7 @@ class UpdateAccount:
     replay: GraphAccount
     capture: GraphAccount
     group_scalars: int
+    decoded_row: int  # one rollout row's decoded tokens (`Suffix`): R tokens' entries and its recurrent states
 
     @property
     def state_bytes(self) -> int:
@@ -499,11 +526,22 @@ class UpdateAccount:
     def working_set(self) -> GraphAccount:
         return max(self.replay, self.capture, key=lambda graph: graph.bytes)
 
+    def rollout_bytes(self, state_bytes: int) -> int:
+        """The rollout's peak beyond weights and adapters: one prompt state (`state_bytes` of it on the device) per
+        distinct prompt of the generation batch, alive together while the rows decode in lockstep, and each prompt's
+        G rows' decoded tokens."""
+        setup = self.setup
+        return setup.prompts_per_generation * (state_bytes + setup.group_size * self.decoded_row)
+
+    def device_total(self, state_bytes: int) -> int:
+        """The device's peak with `state_bytes` of one prompt state on it: the update's or the rollout's."""
+        lora = self.lora.bytes if self.lora else 0
+        update = state_bytes + self.working_set.bytes + self.group_scalars
+        return self.weights.bytes + lora + max(update, self.rollout_bytes(state_bytes))
+
     @property
     def device_bytes(self) -> int:
-        state = self.state_bytes if self.setup.state_device == "device" else 0
-        lora = self.lora.bytes if self.lora else 0
-        return self.weights.bytes + lora + state + self.working_set.bytes + self.group_scalars
+        return self.device_total(self.state_bytes if self.setup.state_device == "device" else 0)
 
     @property
     def host_bytes(self) -> int:
@@ -513,13 +551,14 @@ class UpdateAccount:
 def update_account(config: PretrainedConfig, setup: UpdateSetup, trust_remote_code: bool = False) -> UpdateAccount:
     """Predict the memory of one detach-mode LongStraw update of `config` under `setup` (see `UpdateAccount`).
 
-    The group size enters only through per-token scalars (log-probs, old log-probs, advantages, masks: eight `[G, R]`
-    fp32 tensors): the state is captured once and members are replayed one at a time.
+    In the update the group size enters only through per-token scalars (log-probs, old log-probs, advantages, masks:
+    eight `[G, R]` fp32 tensors): the state is captured once and members are replayed one at a time. The rollout
+    before it holds G rows' decoded tokens per prompt, beside one prompt state per prompt of the generation batch.
     """
     remote = {"trust_remote_code": trust_remote_code}
     lora = None
     if setup.lora_rank:  # PEFT wraps the modules of its own skeleton
-        lora = lora_account(config, setup.lora_rank, setup.lora_targets, setup.lora_value_bytes, **remote)
+        lora = lora_account(config, setup.lora_rank, setup.lora_targets, setup.adapter_value_bytes, **remote)
     skeleton = model_skeleton(config, **remote)  # one skeleton for everything else
     weights = weight_account(skeleton, setup.quantization, setup.double_quant, setup.dtype_bytes)
     state = prompt_state_bytes(skeleton, setup.prompt_tokens - 1, setup.dtype_bytes, setup.state_dtype)
@@ -535,4 +574,5 @@ def update_account(config: PretrainedConfig, setup: UpdateSetup, trust_remote_co
         skeleton, setup.prefill_chunk_size, setup.prompt_tokens - 1, setup.attention_chunk_size, setup.dtype_bytes
     )
     scalars = 8 * setup.group_size * setup.completion_tokens * FP32_BYTES
-    return UpdateAccount(setup, weights, lora, state, replay, capture, scalars)
+    decoded_row = prompt_state_account(config, setup.dtype_bytes, **remote).bytes(setup.completion_tokens)
+    return UpdateAccount(setup, weights, lora, state, replay, capture, scalars, decoded_row)

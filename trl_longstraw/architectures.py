@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from .state import LayerPlan, UnsupportedModelError, plan_layers
 from .state.registry import check_attention_dropout
 
-__all__ = ["UnsupportedModelError", "check_supported", "model_skeleton"]
+__all__ = ["UnsupportedModelError", "check_supported", "longrope_switch_length", "model_skeleton"]
 
 
 def model_skeleton(config: PretrainedConfig, trust_remote_code: bool = False) -> nn.Module:
@@ -40,6 +40,26 @@ def check_supported(model_or_config: nn.Module | PretrainedConfig, trust_remote_
         model = model_or_config
         check_attention_dropout(model.config)
     return plan_layers(model)
+
+
+def longrope_switch_length(config: PretrainedConfig) -> int | None:
+    """The longest sequence a longrope model rotates with its short factors, or None without longrope.
+
+    transformers picks longrope's factors per forward, from that forward's largest position (`dynamic_rope_update`):
+    past `original_max_position_embeddings` every token of the forward takes the long factors. Stock scores prompt +
+    completion in one forward; LongStraw captures the prompt in chunks, so the two agree only while the whole
+    sequence stays within that length.
+    """
+    config = config.get_text_config()
+    parameters = getattr(config, "rope_parameters", None) or {}
+    per_layer_type = parameters and all(isinstance(value, dict) for value in parameters.values())
+    fallback = getattr(config, "original_max_position_embeddings", None)
+    limits = [
+        entry.get("original_max_position_embeddings") or fallback
+        for entry in (parameters.values() if per_layer_type else [parameters])
+        if entry.get("rope_type") == "longrope"
+    ]
+    return min((limit for limit in limits if limit is not None), default=None)
 
 
 VERIFIED_LEVELS = "2, 3, 4, 6 in both modes"

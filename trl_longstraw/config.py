@@ -12,13 +12,18 @@ PROMPT_GRADIENT_MODES = ("detach", "exact")
 PROMPT_STATE_DTYPES = ("auto", "float8_e4m3fn")
 
 
+def env_flag(name: str) -> bool:
+    """An `accelerate launch` flag exported to the process (`ACCELERATE_USE_*`, "true"/"false")."""
+    return os.environ.get(name, "false").lower() == "true"
+
+
 def accelerate_context_parallel_size(parallelism_config) -> int | None:
     """The cp size a user gave Accelerate (`parallelism_config`, or an accelerate config file whose
     `parallelism_config` section reaches the process as `PARALLELISM_CONFIG_*` environment variables), or None if
     none was given. (`accelerate launch --parallelism_config_cp_size N` alone exports nothing with accelerate 1.15.)"""
     if parallelism_config is not None:
         return parallelism_config.cp_size if parallelism_config.cp_size and parallelism_config.cp_size > 1 else None
-    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true":
+    if env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
         size = int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1"))
         return size if size > 1 else None
     return None
@@ -119,7 +124,7 @@ class LongStrawGRPOConfig(GRPOConfig):
             "tokens), instead of transformers' generate, which prefills and caches the prompt once per row. The same "
             "capture then serves scoring and the update while the weights stay put. Sampling follows the same "
             "generation settings (temperature, top_p, top_k, min_p, repetition_penalty, generation_kwargs) and a "
-            "seeded run samples the same completions. None (default): on, except with use_vllm or "
+            "seeded run samples the same completions as stock with float32 weights. None (default): on, except with use_vllm or "
             "use_transformers_continuous_batching, which keep generating as in TRL (or where the generation settings "
             "ask for what it does not implement, e.g. beam search: a warning says so). True: on, and such settings "
             "are an error. False: TRL's generation."
@@ -259,11 +264,15 @@ class LongStrawGRPOConfig(GRPOConfig):
                 "rows of one sharded prompt. Set use_vllm=False (each rank group generates with its first rank's "
                 "rows) or context_parallel_size=1."
             )
-        if self.deepspeed or self.fsdp:
+        launched_with = [name for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP") if env_flag(name)]
+        if self.deepspeed or self.fsdp or launched_with:
+            where = (
+                f"{' and '.join(launched_with)} set by an accelerate config" if launched_with else "`deepspeed`/`fsdp`"
+            )
             raise ValueError(
                 "LongStrawGRPOTrainer supports data parallelism through DDP (plain `accelerate launch`), not "
-                "DeepSpeed or FSDP (`deepspeed`/`fsdp` are set): the serial replay runs on the unsharded model. Unset "
-                "them; to fit a large model use QLoRA (`load_in_4bit`) and `prompt_state_device='cpu'`."
+                f"DeepSpeed or FSDP ({where}): the serial replay runs on the unsharded model. Launch without them; to "
+                "fit a large model use QLoRA (`load_in_4bit`) and `prompt_state_device='cpu'`."
             )
         if self.use_liger_kernel:
             raise ValueError(

@@ -95,7 +95,7 @@ from .state import (
     PromptState,
     plan_layers,
 )
-from .state.mla import absorbed_weights, topk_selection
+from .state.mla import absorb, topk_selection
 
 # Elements sent through each kind of collective by this process (reset it to measure a phase).
 COMMUNICATION: Counter = Counter()
@@ -156,14 +156,19 @@ class ContextParallelGroup:
         return self._in_place(lambda wire: dist.all_reduce(wire, op=op, group=self.group), tensor)
 
     def broadcast(self, tensor: torch.Tensor, source: int, kind: str = "broadcast") -> torch.Tensor:
+        """`tensor` as `source` has it, on every rank; the source's own tensor is never written (it may be a view of
+        an activation autograd saved: an in-place write through a wire copy would bump its version)."""
         COMMUNICATION[kind] += tensor.numel()
+        if self.rank == source:
+            dist.broadcast(self._wire(tensor), group=self.group, group_src=source)
+            return tensor
         return self._in_place(lambda wire: dist.broadcast(wire, group=self.group, group_src=source), tensor)
 
     def broadcast_tensor(self, tensor: torch.Tensor | None, source: int, kind: str) -> torch.Tensor:
         """A tensor of any shape and dtype from `source` (`None` elsewhere; header first: the others allocate from
         it), on `device` except at the source."""
         header = _header(tensor, self.device) if self.rank == source else torch.zeros(8, dtype=torch.int64)
-        header = self._in_place(lambda wire: dist.broadcast(wire, group=self.group, group_src=source), header)
+        header = self.broadcast(header, source, kind="header")
         if self.rank != source:
             tensor = _allocated(header, self.device)
         return self.broadcast(tensor.detach(), source, kind=kind)
@@ -600,9 +605,7 @@ class ShardedLatentAttention(ShardedView):
         own_keys = torch.cat([latent, rope_key], dim=-1)[:, 0]  # [batch, tokens, rank + rope]
         own_keys = access.own_entries(layer, "latent", own_keys, dim=1)  # decoding: the rows' earlier latents first
         rank = module.kv_lora_rank
-        w_uk, w_uv = absorbed_weights(module)
-        query_nope, query_rope = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
-        absorbed = torch.cat([torch.einsum("bhtn,khn->bhtk", query_nope, w_uk.to(query.dtype)), query_rope], dim=-1)
+        absorbed, values = absorb(module, query)
         out = self.sharded_attention(
             access, absorbed, own_keys, own_keys[..., :rank], scaling, None, None, None, indices
         )
@@ -610,7 +613,7 @@ class ShardedLatentAttention(ShardedView):
             layer.pages.append(own_keys[:1])
         elif access.mode == "recompute":
             access.recorded[layer] = own_keys[0]
-        return torch.einsum("bhtk,khv->bhtv", out, w_uv.to(out.dtype))
+        return values(out)
 
 
 class ShardedPromptState(PromptState):
@@ -966,19 +969,13 @@ def sum_added_gradients(params, before, cp: ContextParallelGroup) -> None:
             param.grad = total.clone() if base is None else base + total
 
 
-@dataclass(frozen=True)
-class ParallelGroups:
-    """Data x context parallelism: this rank's CP group (the ranks that share its prompts) and its DP group (the
-    ranks at the same index of the other CP groups, across which gradients are averaged, as DDP would)."""
-
-    context: ContextParallelGroup
-    data: dist.ProcessGroup | None
-
-
-def build_parallel_groups(context_parallel_size: int) -> ParallelGroups:
-    """`world = dp x cp` process groups on `torch.distributed`: consecutive ranks `[k cp, (k + 1) cp)` form CP group
-    k (neighbours share a prompt: on a multi-GPU node they share the fastest links); ranks `i, i + cp, ...` form a DP
-    group. Every rank creates every group, in the same order, as `new_group` requires."""
+def build_context_parallel_group(context_parallel_size: int) -> ContextParallelGroup:
+    """This rank's CP group on `torch.distributed`, `world = dp x cp`: consecutive ranks `[k cp, (k + 1) cp)` form CP
+    group k (neighbours share a prompt: on a multi-GPU node they share the fastest links), as Accelerate orders its
+    mesh (`cp` inner). Every rank creates every group, in the same order, as `new_group` requires. Gradients are
+    averaged over the whole world, not over a DP group: that is the DP mean (a CP group's ranks hold the same
+    gradient), and it keeps a CP group's ranks bitwise equal even where a non-deterministic kernel (CUDA's scatter-add
+    in MoE routing, say) made their replays differ in the last bits, so their weights can never drift apart."""
     size = context_parallel_size
     if not dist.is_available() or not dist.is_initialized():
         raise ContextParallelError(
@@ -991,16 +988,12 @@ def build_parallel_groups(context_parallel_size: int) -> ParallelGroups:
             f"context_parallel_size={size} does not divide the {world} processes (world = data parallel x context "
             f"parallel): launch a multiple of {size} processes, or set context_parallel_size to a divisor of {world}."
         )
-    context = data = None
+    context = None
     for first in range(0, world, size):
         ranks = list(range(first, first + size))
         group = dist.new_group(ranks)
         context = group if rank in ranks else context
-    for index in range(size):
-        ranks = list(range(index, world, size))
-        group = dist.new_group(ranks)
-        data = group if rank in ranks else data
-    return ParallelGroups(ContextParallelGroup.of(context), data)
+    return ContextParallelGroup.of(context)
 
 
 def share_leader_inputs(inputs, cp: ContextParallelGroup):
@@ -1027,7 +1020,7 @@ class SharedRowsSampler(torch.utils.data.Sampler):
         self.base = type(sampler)(
             sampler.data_source,
             sampler.mini_repeat_count,
-            sampler.batch_size // copies,
+            max(1, sampler.batch_size // copies),  # evaluation's sampler draws one prompt at a time
             sampler.repeat_count,
             sampler.shuffle,
             sampler.seed,

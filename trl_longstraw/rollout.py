@@ -11,7 +11,8 @@ built, by the model's `GenerationMixin` helpers from the same `GenerationConfig`
 (temperature, top-p/k, min-p, repetition penalty, EOS / pad, `generation_kwargs`); the token choice is `generate`'s
 (`argmax`, or `multinomial` over the whole batch's probabilities). All prompts of the batch advance in lockstep, one
 `[batch, vocab]` draw per step, so that a seeded run draws the same random numbers in the same order as `generate`:
-the same completions as stock `GRPOTrainer`, up to ties in floating point. The price is that a process keeps one
+the same completions as stock `GRPOTrainer` with float32 weights (in bf16 the two paths' attention kernels round
+differently, which can flip a draw; fp8 pages and context parallelism change the numbers by design). The price is that a process keeps one
 prompt state per distinct prompt of its generation batch alive while decoding (one, with one group per process).
 """
 
@@ -66,6 +67,17 @@ def _refuse_what_a_rollout_cannot_serve(config: GenerationConfig) -> None:
             f"generation_kwargs guidance_scale={config.guidance_scale}: classifier-free guidance runs a second, "
             "unconditional forward per step, which a rollout from the prompt state does not. Set "
             "rollout_from_prompt_state=False, or drop guidance_scale."
+        )
+    if getattr(config, "token_healing", False):
+        raise UnsupportedRolloutError(
+            "generation_kwargs token_healing=True: token healing re-tokenizes the prompt's end, which needs the "
+            "tokenizer (generate fails without one, and GRPOTrainer passes none). Drop token_healing."
+        )
+    if config.cache_implementation == "quantized":
+        raise UnsupportedRolloutError(
+            "generation_kwargs cache_implementation='quantized': generate would decode from a quantized K/V cache, a "
+            "rollout from the prompt state reads the prompt's own pages (see prompt_state_dtype for fp8 pages). Set "
+            "rollout_from_prompt_state=False to decode with the quantized cache, or drop cache_implementation."
         )
     if (config.num_return_sequences or 1) != 1:
         raise UnsupportedRolloutError(

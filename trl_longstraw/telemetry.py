@@ -61,11 +61,13 @@ class PeakSampler:
         self._lock = threading.Lock()
         self._open = threading.Event()
         self._peak = 0
+        self._span = 0  # counts spans: a reading taken in one span never lands in the next
         self._thread: threading.Thread | None = None
 
     def start(self) -> int:
         value = self.read()
         with self._lock:
+            self._span += 1
             self._peak = value
         self._open.set()
         if self._thread is None:
@@ -82,9 +84,11 @@ class PeakSampler:
     def _run(self) -> None:
         while True:
             self._open.wait()
+            with self._lock:
+                span = self._span
             value = self.read()
             with self._lock:
-                if self._open.is_set():
+                if self._open.is_set() and self._span == span:
                     self._peak = max(self._peak, value)
             time.sleep(self.interval_s)
 

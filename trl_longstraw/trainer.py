@@ -19,19 +19,20 @@ from typing import Any, ClassVar
 import torch
 from accelerate.utils import is_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
 from transformers import AutoConfig, TrainerCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context, profiling_decorator
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
-from .architectures import check_supported
+from .architectures import check_supported, longrope_switch_length
 from .attention import ATTENTION_IMPLEMENTATION, register_attention
 from .config import LongStrawGRPOConfig
 from .context_parallel import (
     ContextParallelEngine,
     SharedRowsSampler,
-    build_parallel_groups,
+    build_context_parallel_group,
     check_prompt_length,
     share_leader_inputs,
 )
@@ -120,6 +121,28 @@ def ensure_finite_members(
         raise non_finite_error(f"{where}, group {group.index}, member {member}")
 
 
+def check_adapter(peft_config) -> None:
+    """Refuse a PEFT prompt-learning adapter (prompt, prefix or p-tuning): its virtual tokens are added by the PEFT
+    wrapper's forward, which the capture and replay of the base model never run."""
+    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
+        raise ValueError(
+            f"peft_config is a {type(peft_config).__name__} (prompt learning): its virtual tokens are prepended by "
+            "PEFT's forward, which LongStraw's capture and replay of the base model bypass, so they would never be "
+            "trained. Use an adapter on the weights (LoraConfig, for example)."
+        )
+
+
+def check_dropout_off(model) -> None:
+    """Refuse active dropout: a replay must reproduce the log-probs its loss gradient was computed from, and a new
+    dropout sample per forward would not."""
+    active = next(((name, m.p) for name, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0), None)
+    if active is not None:
+        raise ValueError(
+            f"Dropout {active[0]} has p={active[1]}: LongStraw scores each member once and replays it under "
+            "autograd, so both must see the same network. Set disable_dropout=True (the LongStrawGRPOConfig default)."
+        )
+
+
 @dataclass
 class _KeptState:
     """The one prompt state kept between uses: the last group scored or replayed, while the weights stay put."""
@@ -136,6 +159,8 @@ class _LongStrawCallback(TrainerCallback):
         self.span = None
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self.span is not None:  # left open by an optimizer step that raised
+            self.span.__exit__(None, None, None)
         self.span = self.trainer._phase("optimizer")
         self.span.__enter__()
 
@@ -174,23 +199,29 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             args = LongStrawGRPOConfig(f"{name.split('/')[-1]}-LongStraw-GRPO")
         if not isinstance(args, LongStrawGRPOConfig):
             raise TypeError(
-                f"args is a {type(args).__name__}; LongStrawGRPOTrainer needs a LongStrawGRPOConfig (it accepts every "
-                "GRPOConfig field): LongStrawGRPOConfig(**your_grpo_config.to_dict())."
+                f"args is a {type(args).__name__}; LongStrawGRPOTrainer needs a LongStrawGRPOConfig: build it with "
+                "the arguments you gave GRPOConfig (it accepts every GRPOConfig field)."
             )
         if args.fp16:
             raise ValueError(
                 "fp16=True is not supported: the per-member backward bypasses the fp16 loss scaler. Use bf16=True."
             )
+        check_adapter(kwargs.get("peft_config"))
         if isinstance(model, str):  # fail on an unsupported architecture before loading any weights
             init_kwargs = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
-            trust_remote_code = bool(init_kwargs.get("trust_remote_code", False))
+            trust_remote_code = bool(init_kwargs.get("trust_remote_code", args.trust_remote_code))
             config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
             check_supported(config, trust_remote_code=trust_remote_code)  # its meta-device skeleton: no weights
         else:
             config = model.config
             check_supported(model)
+            if is_peft_model(model):
+                check_adapter(model.active_peft_config)
         self._check_positions(config, args, prompt_width=1)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
+        for policy_or_ref in (self.model, self.ref_model):
+            if policy_or_ref is not None:
+                check_dropout_off(policy_or_ref)
         if self._is_vlm:
             raise ValueError("LongStrawGRPOTrainer supports text-only causal LMs; this model is vision-language.")
         if self.aux_loss_enabled:
@@ -204,15 +235,17 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             if policy_or_ref is not None:
                 self.accelerator.unwrap_model(policy_or_ref).set_attn_implementation(ATTENTION_IMPLEMENTATION)
         state_device = None if args.prompt_state_device == "auto" else torch.device(args.prompt_state_device)
-        # Context parallelism (context_parallel.py): None, or this rank's CP and DP groups.
-        self._parallel = build_parallel_groups(args.context_parallel_size) if args.context_parallel_size > 1 else None
+        # Context parallelism (context_parallel.py): None, or this rank's CP group.
+        self._context_parallel = (
+            build_context_parallel_group(args.context_parallel_size) if args.context_parallel_size > 1 else None
+        )
         self.engine = ContextParallelEngine(
             prefill_chunk_size=args.prefill_chunk_size,
             attention_chunk_size=args.attention_chunk_size,
             state_device=state_device,
             prompt_gradient=args.prompt_gradient,
             prompt_state_dtype=args.prompt_state_dtype,
-            context_parallel=None if self._parallel is None else self._parallel.context,
+            context_parallel=self._context_parallel,
         )
         self._telemetry = PhaseTelemetry(
             self.accelerator.device, enabled=args.log_phase_metrics, synchronize=args.sync_phase_metrics
@@ -220,6 +253,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._kept: _KeptState | None = None
         self._reached: list[torch.nn.Parameter] | None = None
         self.rollout_from_prompt_state = self._resolve_rollout(args)
+        if (
+            self._context_parallel is not None and self.eval_dataset is not None
+        ):  # refused now, not at the first evaluation
+            for dataset in self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]:
+                if hasattr(dataset, "__len__"):
+                    self._check_eval_batches(len(dataset))
         self.add_callback(_LongStrawCallback(self))
 
     def _resolve_rollout(self, args: LongStrawGRPOConfig) -> bool:
@@ -269,11 +308,22 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             return -(-width // multiple) * multiple if multiple else width
 
         total = padded(prompt_width) + padded(args.max_completion_length or 0)
+        spans = (
+            f"A prompt of {prompt_width} tokens plus max_completion_length={args.max_completion_length} spans {total}"
+        )
         if total > max_positions:
             raise ValueError(
-                f"A prompt of {prompt_width} tokens plus max_completion_length={args.max_completion_length} spans "
-                f"{total} positions, more than the model's max_position_embeddings={max_positions}. Truncate the "
+                f"{spans} positions, more than the model's max_position_embeddings={max_positions}. Truncate the "
                 "prompts, lower max_completion_length, or use a model configured for longer context."
+            )
+        switch = longrope_switch_length(config)
+        if switch is not None and total > switch:
+            raise ValueError(
+                f"{spans} positions, more than this longrope model's original_max_position_embeddings={switch}. "
+                "longrope rotates a whole forward with its long factors once the forward is longer than that, so "
+                "stock's one forward of prompt + completion and LongStraw's chunked capture would rotate the prompt "
+                f"differently. Keep prompt + max_completion_length within {switch} positions, or use a model whose "
+                "RoPE does not depend on the forward's length."
             )
 
     def _is_reference_pass(self, model) -> bool:
@@ -464,36 +514,37 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     self._kept = _KeptState(group, state)
                 del state
             self._give_every_reached_parameter_a_gradient(causal_lm, groups, completion_ids, replayed)
-            if self.accelerator.sync_gradients:  # across DP only: a CP group's ranks already agree
-                average_gradients(self._reached, None if self._parallel is None else self._parallel.data)
+            if self.accelerator.sync_gradients:  # over every rank (under CP too: `build_context_parallel_group`)
+                average_gradients(self._reached)
 
     def _give_every_reached_parameter_a_gradient(self, causal_lm, groups, completion_ids, replayed: bool) -> None:
         """Zero `.grad` for every parameter a backward reaches and that none reached this time, as stock's would be.
 
         Which parameters a backward reaches is a property of the model (e.g. DSA indexers run under no_grad and get
-        none, in stock too), learned once: from the first backward that replayed anything, or, if the first one
-        replays nothing, from one member replayed with a zero gradient.
+        none, in stock too), which routing can widen (an expert a token reaches for the first time): the set is the
+        union of every backward so far, over every rank, so that each rank averages the same parameters in the same
+        order. If the first backward replays nothing, one member is replayed with a zero gradient to learn it.
         """
-        if self._reached is None:
-            if not replayed:
-                group = groups[0]
-                state = self._policy_state(causal_lm, group)
-                with self.accelerator.autocast():
-                    logps, _ = self.engine.replay(
-                        causal_lm, state, group.prompt_ids[-1:], completion_ids[group.rows[0]], 1
-                    )
-                member_backward(logps, None, torch.zeros_like(logps), None)
-                self._kept = _KeptState(group, state)
-                del state
-            trainable = [p for p in causal_lm.parameters() if p.requires_grad]
-            reached = torch.tensor(
-                [p.grad is not None for p in trainable], dtype=torch.int32, device=self.accelerator.device
-            )
-            # Every rank must average the same parameters in the same order: the union of what each rank's backward
-            # reached (a rank whose groups happened not to route through some expert still averages its zeros).
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.all_reduce(reached, op=torch.distributed.ReduceOp.MAX)
-            self._reached = [p for p, hit in zip(trainable, reached.tolist(), strict=True) if hit]
+        if self._reached is None and not replayed:
+            group = groups[0]
+            state = self._policy_state(causal_lm, group)
+            with self.accelerator.autocast():
+                logps, _ = self.engine.replay(
+                    causal_lm, state, group.prompt_ids[-1:], completion_ids[group.rows[0]], 1
+                )
+            member_backward(logps, None, torch.zeros_like(logps), None)
+            self._kept = _KeptState(group, state)
+            del state
+        known = {id(param) for param in self._reached or ()}
+        trainable = [p for p in causal_lm.parameters() if p.requires_grad]
+        reached = torch.tensor(
+            [p.grad is not None or id(p) in known for p in trainable],
+            dtype=torch.int32,
+            device=self.accelerator.device,
+        )
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(reached, op=torch.distributed.ReduceOp.MAX)
+        self._reached = [p for p, hit in zip(trainable, reached.tolist(), strict=True) if hit]
         for param in self._reached:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -518,8 +569,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         is generated."""
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
         self._check_positions(self.model.config, self.args, prompt_width=max(len(ids) for ids in prompt_ids))
-        if self._parallel is not None:  # a prompt shorter than the CP group cannot be sharded
-            check_prompt_length(min(len(ids) for ids in prompt_ids), self._parallel.context.size)
+        if self._context_parallel is not None:  # a prompt shorter than the CP group cannot be sharded
+            check_prompt_length(min(len(ids) for ids in prompt_ids), self._context_parallel.size)
         return prompt_ids, images, multimodal_fields
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -590,15 +641,41 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _get_train_sampler(self, dataset=None):
         """TRL's sampler; under context parallelism one set of rows per CP group (`SharedRowsSampler`)."""
         sampler = super()._get_train_sampler(dataset)
-        if self._parallel is None:
+        if self._context_parallel is None:
             return sampler
         rows_per_rank = self._train_batch_size * self.args.steps_per_generation  # one rank's dataloader batch
-        return SharedRowsSampler(sampler, rows_per_rank, self._parallel.context.size)
+        return SharedRowsSampler(sampler, rows_per_rank, self._context_parallel.size)
+
+    def _get_eval_sampler(self, eval_dataset):
+        """TRL's sampler; under context parallelism one set of rows per CP group, as in training."""
+        sampler = super()._get_eval_sampler(eval_dataset)
+        if self._context_parallel is None:
+            return sampler
+        self._check_eval_batches(len(eval_dataset))
+        return SharedRowsSampler(sampler, self.args.per_device_eval_batch_size, self._context_parallel.size)
+
+    def _check_eval_batches(self, num_prompts: int) -> None:
+        """Under context parallelism every eval batch must hold whole groups, and the batches must not end with a
+        partial one (the ranks of a CP group must draw identical batches, `SharedRowsSampler`)."""
+        cp, batch = self._context_parallel.size, self.args.per_device_eval_batch_size
+        generations = self.num_generations_eval
+        if batch % generations:
+            raise ValueError(
+                f"context_parallel_size={cp} needs per_device_eval_batch_size={batch} to hold whole groups of "
+                f"num_generations_eval={generations}: make it a multiple of {generations}."
+            )
+        if num_prompts * generations % batch and not self.args.dataloader_drop_last:
+            raise ValueError(
+                f"context_parallel_size={cp}: the eval dataset's {num_prompts} prompts x num_generations_eval="
+                f"{generations} rows do not fill whole batches of per_device_eval_batch_size={batch}, and the ranks "
+                "of a CP group must draw identical batches. Choose a per_device_eval_batch_size that divides "
+                f"{num_prompts * generations}, or set dataloader_drop_last=True."
+            )
 
     def _generate_and_score_completions(self, inputs):
         self._kept = None  # generation needs the memory, and the weights may have moved since
-        if self._parallel is not None:  # a CP group shares its prompts, so it must share its rows
-            inputs = share_leader_inputs(inputs, self._parallel.context)
+        if self._context_parallel is not None:  # a CP group shares its prompts, so it must share its rows
+            inputs = share_leader_inputs(inputs, self._context_parallel)
         return super()._generate_and_score_completions(inputs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -30,4 +30,4 @@ class LinearAttentionState(ConvRecurrentState):
     def account(cls, mixer, config, layer_type, dtype_bytes, exact):
         recurrent = mixer.num_v_heads * mixer.head_k_dim * mixer.head_v_dim * FP32_BYTES
         conv = mixer.conv_dim * (mixer.conv_kernel_size - 1) * dtype_bytes
-        return LayerAccount("gated_deltanet", fixed=recurrent + conv)
+        return LayerAccount("gated_deltanet", fixed=recurrent + conv, per_chunk=exact)  # exact: one per chunk boundary

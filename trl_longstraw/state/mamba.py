@@ -33,4 +33,4 @@ class Mamba2State(ConvRecurrentState):
     def account(cls, mixer, config, layer_type, dtype_bytes, exact):
         ssm = mixer.num_heads * mixer.head_dim * mixer.ssm_state_size * FP32_BYTES
         conv = mixer.conv_dim * (mixer.conv_kernel_size - 1) * dtype_bytes
-        return LayerAccount("mamba2", fixed=ssm + conv)
+        return LayerAccount("mamba2", fixed=ssm + conv, per_chunk=exact)  # exact: one per chunk boundary

@@ -11,8 +11,8 @@ MLA caches, per token, the compressed latent (`kv_lora_rank`, after `kv_a_layern
 so the prefix is read as multi-query attention over `[c_j, k_rope_j]` (values `c_j`, a view of the same page):
 no per-token projection of the prefix at all, and only the replayed tokens touch `kv_b_proj`. The absorbed weights
 are obtained by running `kv_b_proj` on the identity, which works unchanged for LoRA and 4-bit base layers and keeps
-their gradients. The layer hands its latent to the cache (`Cache.update(latent, rope_key)`) before expanding it;
-[`StateAccess`] keeps it for this kind.
+their gradients (a bias: `absorbed_weights`). The layer hands its latent to the cache (`Cache.update(latent,
+rope_key)`) before expanding it; [`StateAccess`] keeps it for this kind.
 
 With DSA (`deepseek_v32`, `glm_moe_dsa`) the top-k selection reaches attention as `indices [batch, tokens, top_k]`
 over absolute key positions and is applied to both the prefix and the replayed tokens; the indexer's own keys are
@@ -32,16 +32,36 @@ def is_multi_head_latent_attention(module) -> bool:
     return hasattr(module, "kv_a_proj_with_mqa") and hasattr(module, "kv_b_proj") and hasattr(module, "kv_lora_rank")
 
 
-def absorbed_weights(module) -> tuple[torch.Tensor, torch.Tensor]:
-    """`W_uk [kv_lora_rank, heads, qk_nope_head_dim]` and `W_uv [kv_lora_rank, heads, v_head_dim]` of `kv_b_proj`."""
+def absorbed_weights(module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`W_uk [kv_lora_rank, heads, qk_nope_head_dim]`, `W_uv [kv_lora_rank, heads, v_head_dim]` and the value bias
+    `b_v [heads, v_head_dim]` (zeros without a bias) of `kv_b_proj`.
+
+    The key bias adds the same `q_nope_h . b_k_h` to all of a query's scores, which the softmax ignores; the value
+    bias comes out of the softmax unchanged (its weights sum to one) and is added to the output.
+    """
     rank = module.kv_lora_rank
     projection = module.kv_b_proj
     weight = projection.weight if hasattr(projection, "weight") else None
     dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.get_default_dtype()
     basis = torch.eye(rank, dtype=dtype, device=module.kv_a_layernorm.weight.device)
-    columns = projection(basis) - projection(torch.zeros_like(basis[:1]))  # minus the bias, if any
-    columns = columns.view(rank, -1, module.qk_nope_head_dim + module.v_head_dim)
-    return columns[..., : module.qk_nope_head_dim], columns[..., module.qk_nope_head_dim :]
+    nope = module.qk_nope_head_dim
+    bias = projection(torch.zeros_like(basis[:1]))
+    columns = (projection(basis) - bias).view(rank, -1, nope + module.v_head_dim)
+    bias = bias.view(-1, nope + module.v_head_dim)
+    return columns[..., :nope], columns[..., nope:], bias[:, nope:]
+
+
+def absorb(module, query: torch.Tensor):
+    """`query [batch, heads, tokens, nope + rope]` as multi-query attention over the latent pages: the absorbed query
+    `[batch, heads, tokens, rank + rope]`, and the map from that attention's output (latents) to the heads' values."""
+    w_uk, w_uv, value_bias = absorbed_weights(module)
+    query_nope, query_rope = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
+    absorbed = torch.cat([torch.einsum("bhtn,khn->bhtk", query_nope, w_uk.to(query.dtype)), query_rope], dim=-1)
+
+    def values(out: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bhtk,khv->bhtv", out, w_uv.to(out.dtype)) + value_bias.to(out.dtype)[:, None]
+
+    return absorbed, values
 
 
 def topk_selection(indices: torch.Tensor, offset: int):
@@ -87,9 +107,7 @@ class LatentPages(LayerState):
         own_keys = torch.cat([latent, rope_key], dim=-1)[:, 0]  # [batch, tokens, rank + rope]: one set per row
         own_keys = access.own_entries(self, "latent", own_keys, dim=1)  # decoding: the rows' earlier latents first
         rank = module.kv_lora_rank
-        w_uk, w_uv = absorbed_weights(module)
-        query_nope, query_rope = query.split([module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
-        absorbed = torch.cat([torch.einsum("bhtn,khn->bhtk", query_nope, w_uk.to(query.dtype)), query_rope], dim=-1)
+        absorbed, values = absorb(module, query)
         positions = access.query_positions
         prefix = access.prefix_length
         blocks = []
@@ -109,7 +127,7 @@ class LatentPages(LayerState):
             self.pages.append(own_keys[:1])
         elif access.mode == "recompute":
             access.recorded[self] = own_keys[0]
-        return torch.einsum("bhtk,khv->bhtv", out, w_uv.to(out.dtype))
+        return values(out)
 
     def dequantizer(self, dtype: torch.dtype):
         """fp8 pages: each chunk of latents (keys) in `dtype`, with their pages' scales (one per 64-token page), and

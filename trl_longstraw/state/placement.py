@@ -113,7 +113,8 @@ class Pages:
             self.length = end
             return 0
         joined = values if self.data is None else torch.cat([self.data, values], dim=1)
-        self.data = joined[:, keep_from:].clone()
+        kept = joined[:, keep_from:]
+        self.data = self.placement.allocate(kept.dtype, tuple(kept.shape), source).copy_(kept)
         self.length = self.data.shape[1]
         return keep_from
 
@@ -122,7 +123,7 @@ class Pages:
         if self.data is None:
             self.data = self.placement.allocate(FP8_DTYPE, (heads, self.capacity, dim), source)
             pages = -(-self.capacity // FP8_PAGE_TOKENS)
-            self.scales = torch.ones((heads, pages), dtype=torch.float32, device=self.placement.device)
+            self.scales = self.placement.allocate(torch.float32, (heads, pages), source).fill_(1.0)
         # A partly filled page is quantised again with its new entries, from the full-precision values of that page
         # alone (`_tail`, under one page): the pages do not depend on how the capture was chunked.
         first = self.length // FP8_PAGE_TOKENS * FP8_PAGE_TOKENS
@@ -133,7 +134,8 @@ class Pages:
         self.data[:, first:end] = entries
         self.scales[:, first // FP8_PAGE_TOKENS : first // FP8_PAGE_TOKENS + scales.shape[1]] = scales
         partial = end % FP8_PAGE_TOKENS
-        self._tail = values[:, values.shape[1] - partial :].clone() if partial else None
+        complete = end == self.capacity  # the whole prompt is written: its last page will not grow
+        self._tail = values[:, values.shape[1] - partial :].clone() if partial and not complete else None
         self.length = end
 
     def dequantize(self, entries: torch.Tensor, start: int, dtype: torch.dtype) -> torch.Tensor:

@@ -38,8 +38,6 @@ class ConvRecurrentState(LayerState):
         return self.conv + self.recurrent
 
     def _before(self, states: list[torch.Tensor], access, slot: int) -> torch.Tensor | None:
-        if access.mode == "capture":
-            return states[-1] if states else None
         if access.mode == "decode" and (current := access.suffix.state(self, SLOTS[slot])) is not None:
             return current  # the rows' own state after their decoded tokens
         index = access.chunk_index - 1 if access.mode == "recompute" else len(states) - 1

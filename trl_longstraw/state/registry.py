@@ -36,11 +36,24 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class LayerAccount:
-    """Bytes one layer keeps for a kind: `per_token` for each captured prompt token plus `fixed`."""
+    """Bytes one layer keeps for a kind: `per_token` for each captured prompt token plus `fixed`.
+
+    `window`: `fixed` is the entries of this many tokens (a rolling window), of which a shorter prompt keeps fewer.
+    `per_chunk`: `fixed` is kept once per capture chunk of `chunk_size` tokens (the exact prompt gradient's recurrent
+    states at every chunk boundary).
+    """
 
     label: str
     per_token: int = 0
     fixed: int = 0
+    window: int | None = None
+    per_chunk: bool = False
+
+    def bytes(self, num_tokens: int, chunk_size: int | None = None) -> int:
+        fixed = self.fixed if self.window is None else self.fixed * min(num_tokens, self.window) // self.window
+        if self.per_chunk and chunk_size:
+            fixed *= max(1, -(-num_tokens // chunk_size))
+        return self.per_token * num_tokens + fixed
 
 
 class LayerState:
