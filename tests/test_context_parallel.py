@@ -280,3 +280,25 @@ def test_context_parallelism_refuses_vllm_whose_rows_differ_per_rank():
             num_generations=2,
             per_device_train_batch_size=2,
         )
+
+
+# Three ranks: a middle rank receives recurrent state and hands it on (and relays its gradient back in exact mode),
+# ranks after the owner serve its recompute, attention sinks in the exact backward, DSA candidates from three ranks.
+THREE_RANK_CASES = [("qwen3_next", "exact"), ("gpt_oss", "exact"), ("glm_moe_dsa", "exact")]
+
+
+@pytest.mark.slow
+def test_three_context_parallel_ranks_score_replay_and_back_propagate_as_one_process(tmp_path):
+    from .context_parallel_worker import run_on_device
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    args = (3, str(tmp_path / "init"), THREE_RANK_CASES, [], str(tmp_path), "cpu")
+    mp.start_processes(run_on_device, args=args, nprocs=3, join=True, start_method="fork")
+    ranks = [torch.load(tmp_path / f"cpu-rank{rank}.pt") for rank in range(3)]
+    for case in THREE_RANK_CASES:
+        for rank in ranks:
+            result = rank[case]
+            assert result["score_error"] <= 1e-5 and result["replay_error"] <= 1e-5, case
+            assert result["same_parameters"] and result["rank_difference"] == 0.0, case
+            assert max(result["grad_errors"].values()) <= 1e-4, case
+        assert [rank[case]["shard"] for rank in ranks] == [(0, 12), (12, 24), (24, 36)]
