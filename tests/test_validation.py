@@ -191,6 +191,21 @@ def test_prompt_longer_than_the_model_positions(trainer, tokenizer):
         trainer.replay_and_backward(trainer.model, inputs)
 
 
+def test_max_new_tokens_in_generation_kwargs_counts_as_the_completion_length(
+    fresh_model, tokenizer, prompt_dataset, tmp_path
+):
+    # GRPOTrainer lets generation_kwargs override max_new_tokens: the generated tokens must fit the positions too
+    with pytest.raises(ValueError, match="generation_kwargs max_new_tokens=30 spans 31 positions.*=24"):
+        make_trainer(
+            LongStrawGRPOTrainer,
+            fresh_model(max_position_embeddings=24),
+            tokenizer,
+            prompt_dataset,
+            tmp_path,
+            generation_kwargs={"max_new_tokens": 30},
+        )
+
+
 def longrope(original_max_position_embeddings):
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [8.0] * 8}
     rope["original_max_position_embeddings"] = original_max_position_embeddings

@@ -294,27 +294,27 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     @staticmethod
     def _check_positions(config, args: LongStrawGRPOConfig, prompt_width: int) -> None:
-        """Refuse prompts that, with `max_completion_length` more tokens, would run past the model's positions.
+        """Refuse prompts that, with the tokens generation may add (`max_completion_length`, or a `max_new_tokens` in
+        `generation_kwargs`, which overrides it as in GRPOTrainer), would run past the model's positions.
 
         Called at construction (a one-token prompt) and on the tokenized prompts before each generation, so the
         costliest part of a long-prompt step never runs for a batch the update would refuse.
         """
-        max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
-        if max_positions is None:
-            return
+        generated, field_name = args.max_completion_length or 0, "max_completion_length"
+        if (args.generation_kwargs or {}).get("max_new_tokens") is not None:
+            generated, field_name = args.generation_kwargs["max_new_tokens"], "generation_kwargs max_new_tokens"
         multiple = args.pad_to_multiple_of
 
         def padded(width: int) -> int:
             return -(-width // multiple) * multiple if multiple else width
 
-        total = padded(prompt_width) + padded(args.max_completion_length or 0)
-        spans = (
-            f"A prompt of {prompt_width} tokens plus max_completion_length={args.max_completion_length} spans {total}"
-        )
-        if total > max_positions:
+        total = padded(prompt_width) + padded(generated)
+        spans = f"A prompt of {prompt_width} tokens plus {field_name}={generated} spans {total}"
+        max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+        if max_positions is not None and total > max_positions:
             raise ValueError(
                 f"{spans} positions, more than the model's max_position_embeddings={max_positions}. Truncate the "
-                "prompts, lower max_completion_length, or use a model configured for longer context."
+                f"prompts, lower {field_name}, or use a model configured for longer context."
             )
         switch = longrope_switch_length(config)
         if switch is not None and total > switch:
@@ -322,8 +322,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 f"{spans} positions, more than this longrope model's original_max_position_embeddings={switch}. "
                 "longrope rotates a whole forward with its long factors once the forward is longer than that, so "
                 "stock's one forward of prompt + completion and LongStraw's chunked capture would rotate the prompt "
-                f"differently. Keep prompt + max_completion_length within {switch} positions, or use a model whose "
-                "RoPE does not depend on the forward's length."
+                f"differently. Keep prompt + {field_name} within {switch} positions, or use a model whose RoPE does "
+                "not depend on the forward's length."
             )
 
     def _is_reference_pass(self, model) -> bool:
