@@ -748,8 +748,8 @@ def summary(data: dict, args) -> str:
         lines += [
             f"## LongStraw phases at P={Pr}, G={Gp} (its own telemetry, flushed after the call)",
             "",
-            "Peak = the phase's RSS high-water minus the pre-update baseline (LongStraw's MemoryMeter resets the "
-            "high-water at each phase start).",
+            "Peak = the phase's highest sampled RSS minus the pre-update baseline (LongStraw's MemoryMeter resets "
+            "no high-water mark).",
             "",
             "| mode | phase | time s | peak above baseline GiB |",
             "| --- | --- | --- | --- |",
@@ -757,7 +757,9 @@ def summary(data: dict, args) -> str:
         for r in tele:
             t = r["telemetry"]
             for phase in [k.split("/")[1] for k in t if k.endswith("/time_s")]:
-                peak_key = next((k for k in t if k.startswith(f"longstraw/{phase}/peak")), None)
+                peak_key = next(
+                    (k for k in t if k.startswith(f"longstraw/{phase}/") and k.endswith("_peak_gib")), None
+                )
                 peak = None if peak_key is None else (t[peak_key] * GIB - r["baseline_bytes"]) / GIB
                 lines.append(f"| {r['mode']} | {phase} | {t[f'longstraw/{phase}/time_s']:.2f} | {_fmt(peak)} |")
             lines.append(f"| {r['mode']} | prompt state | - | {t.get('longstraw/prompt_state_gib', 0):.4f} |")

@@ -18,9 +18,7 @@ reported on its own).
 
 Memory: on CPU the process resident-set high-water mark (Linux VmHWM, reset through /proc/self/clear_refs just before
 the update) minus the RSS right before it ("peak_rss_above_baseline"); on CUDA `max_memory_allocated` minus the
-allocated bytes before it. LongStraw's own telemetry resets the same high-water mark at each phase start; the worker
-wraps `MemoryMeter.start` to fold the high-water mark reached so far into its running maximum first, so no phase's
-peak is lost from the whole-update peak.
+allocated bytes before it (LongStraw's own telemetry resets neither).
 """
 
 from __future__ import annotations
@@ -75,7 +73,7 @@ def _malloc_trim() -> None:
 
 
 class PeakTracker:
-    """Whole-span peak on CPU (VmHWM) or CUDA (max_memory_allocated), robust to resets made by LongStraw telemetry."""
+    """Whole-span peak on CPU (VmHWM) or CUDA (max_memory_allocated); `fold` keeps the peak so far across a reset."""
 
     def __init__(self, device):
         import torch
@@ -115,22 +113,6 @@ class PeakTracker:
 
     def peak(self) -> int:
         return max(self.folded, self.high_water())
-
-
-def install_telemetry_fold(tracker: PeakTracker) -> None:
-    """Make LongStraw's MemoryMeter fold the high-water mark reached so far into `tracker` before resetting it."""
-    from trl_longstraw import telemetry
-
-    original = telemetry.MemoryMeter.start
-    if getattr(original, "_folds", False):
-        return
-
-    def start(self):
-        tracker.fold()
-        original(self)
-
-    start._folds = True
-    telemetry.MemoryMeter.start = start
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -438,7 +420,6 @@ def run(args) -> dict:
                 trainer._telemetry.flush()
         inputs = synthetic_group(vocab, P, G, R, args.seed, device)
         tracker = PeakTracker(device)
-        install_telemetry_fold(tracker)
         gc.collect()
         _malloc_trim()
         baseline = tracker.current()

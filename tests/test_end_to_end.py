@@ -31,9 +31,10 @@ def distinct_reward(completions, **kwargs):
 
 
 def train(trainer):
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    """Train; the names of every parameter that changed (trainable or not), and the training log entries."""
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
-    changed = [n for n, p in trainer.model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
     return changed, [entry for entry in trainer.state.log_history if "loss" in entry]
 
 
@@ -129,7 +130,9 @@ def test_multiple_iterations_recapture_under_the_new_weights(fresh_model, tokeni
     )
     changed, logs = train(trainer)
     assert changed and len(logs) == 3
-    assert all(entry["longstraw/capture/time_s"] > 0 for entry in logs)
+    # every step captures under its own weights: the second iteration reuses the generation batch, never a state
+    # captured before the optimizer step (stale states themselves are refused: test_engine's test_stale_state)
+    assert all(entry["longstraw/capture/count"] >= 1 for entry in logs)
 
 
 @pytest.mark.slow

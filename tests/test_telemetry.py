@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
-from trl_longstraw.telemetry import PeakSampler, PhaseTelemetry
+from trl_longstraw.telemetry import MemoryMeter, PeakSampler, PhaseTelemetry
 
 from .conftest import length_reward, make_trainer, synthetic_inputs, trainer_args
 
@@ -87,6 +87,27 @@ def test_the_update_resets_no_process_wide_counter(fresh_model, tokenizer, promp
     high_water = rss_high_water_bytes()
     trainer.replay_and_backward(trainer.model, synthetic_inputs(len(tokenizer)))
     assert rss_high_water_bytes() >= high_water  # nothing wrote /proc/self/clear_refs
+
+
+def test_a_cuda_span_reads_the_allocator_and_resets_no_peak_statistic(monkeypatch):
+    """The CUDA meter on a CPU machine, through the allocator calls it makes: it reads `memory_allocated` and
+    `max_memory_allocated` and never resets a statistic the user's own monitoring may read."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("LongStraw reset CUDA's memory statistics")
+
+    allocated, high_water = [100], [500]
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: high_water[0])
+    for reset in ("reset_peak_memory_stats", "reset_max_memory_allocated", "reset_accumulated_memory_stats"):
+        monkeypatch.setattr(torch.cuda, reset, refuse)
+    meter = MemoryMeter(torch.device("cuda", 0))
+    meter.start()
+    allocated[0], high_water[0] = 300, 900  # the span raised the process's high-water mark: its peak is exact
+    assert meter.stop() == (900, 800)
+    meter.start()
+    allocated[0] = 250  # below the high-water mark: the sampled peak of the span
+    assert meter.stop() == (300, 0)
 
 
 @pytest.mark.slow

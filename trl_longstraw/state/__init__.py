@@ -10,7 +10,7 @@ is refused naming the layer. Registration order below is the order kinds are tri
 | `mla_latent` | `mla.py` | MLA attention | latent + rope key per token |
 | `dsa_indexer` | `dsa.py` | MLA layers computing a DSA top-k | indexer key per token |
 | `gated_deltanet` | `linear_attention.py` | `linear_attention` | conv + fp32 recurrent state |
-| `mamba2` | `mamba.py` | `mamba` | conv + fp32 SSM state |
+| `mamba2` | `mamba.py` | `linear_attention`, `hybrid`, Mamba2 layers without layer types | conv + fp32 SSM state |
 | `feed_forward` | `feed_forward.py` | `mlp`, `moe` (FFN-only layers) | nothing |
 """
 
