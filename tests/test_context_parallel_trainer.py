@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from datasets import IterableDataset
 
 from trl_longstraw import LongStrawGRPOTrainer
 
@@ -70,3 +71,7 @@ def test_eval_batches_under_context_parallelism_hold_whole_groups_and_end_full()
     check(trainer, 4)  # 12 rows: two full batches
     trainer.args.dataloader_drop_last = True
     check(trainer, 5)  # the partial last batch is dropped on every rank
+    trainer._check_eval_batches = lambda num_prompts: check(trainer, num_prompts)
+    iterable = IterableDataset.from_generator(lambda: iter([{"prompt": "a"}]))
+    with pytest.raises(ValueError, match="iterable eval dataset.*Pass a map-style Dataset"):
+        LongStrawGRPOTrainer._check_eval_dataset(trainer, iterable)

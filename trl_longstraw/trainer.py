@@ -257,8 +257,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             self._context_parallel is not None and self.eval_dataset is not None
         ):  # refused now, not at the first evaluation
             for dataset in self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]:
-                if hasattr(dataset, "__len__"):
-                    self._check_eval_batches(len(dataset))
+                self._check_eval_dataset(dataset)
         self.add_callback(_LongStrawCallback(self))
 
     def _resolve_rollout(self, args: LongStrawGRPOConfig) -> bool:
@@ -646,13 +645,30 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         rows_per_rank = self._train_batch_size * self.args.steps_per_generation  # one rank's dataloader batch
         return SharedRowsSampler(sampler, rows_per_rank, self._context_parallel.size)
 
+    def get_eval_dataloader(self, eval_dataset=None):
+        """TRL's; under context parallelism the eval set is checked first (`_check_eval_dataset`)."""
+        if self._context_parallel is not None:
+            dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+            self._check_eval_dataset(self.eval_dataset[dataset] if isinstance(dataset, str) else dataset)
+        return super().get_eval_dataloader(eval_dataset)
+
     def _get_eval_sampler(self, eval_dataset):
         """TRL's sampler; under context parallelism one set of rows per CP group, as in training."""
         sampler = super()._get_eval_sampler(eval_dataset)
         if self._context_parallel is None:
             return sampler
-        self._check_eval_batches(len(eval_dataset))
         return SharedRowsSampler(sampler, self.args.per_device_eval_batch_size, self._context_parallel.size)
+
+    def _check_eval_dataset(self, dataset) -> None:
+        """Under context parallelism an eval set must be map-style (an iterable one reaches each rank with its own
+        rows, of which a CP group would evaluate only its first rank's) and fill whole batches of whole groups."""
+        if not hasattr(dataset, "__len__"):
+            raise ValueError(
+                f"context_parallel_size={self._context_parallel.size} with an iterable eval dataset: each rank would "
+                "draw its own rows and a CP group would evaluate only its first rank's. Pass a map-style Dataset "
+                "(e.g. `Dataset.from_list(list(iterable))`) to evaluate every row."
+            )
+        self._check_eval_batches(len(dataset))
 
     def _check_eval_batches(self, num_prompts: int) -> None:
         """Under context parallelism every eval batch must hold whole groups, and the batches must not end with a
