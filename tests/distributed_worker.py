@@ -1,9 +1,11 @@
 """Run under `accelerate launch --num_processes 2`: one LongStraw training step of data parallelism on gloo.
 
 Each rank trains on its own groups; afterwards every rank must hold the same weights (gradients were averaged
-across ranks, as DDP would) and those weights must have moved. Prints one JSON line per rank for the test.
+across ranks, as DDP would) and those weights must have moved. With `gradient`: each rank's exact-mode gradient on
+its own batch, averaged, against the mean of stock's gradients over both batches. Prints one JSON line per rank.
 """
 
+import copy
 import json
 import os
 import sys
@@ -12,6 +14,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
 from trl_longstraw.embedded import build_model, build_tokenizer
@@ -65,5 +68,57 @@ def main(prompt_gradient: str) -> None:
     )
 
 
+def gradient_against_stock() -> None:
+    """Exact mode, rank r backward on its own synthetic batch (`replay_and_backward`, which averages across the ranks):
+    every rank must hold the mean of stock GRPOTrainer's gradients over both ranks' batches, each computed here."""
+    from tests.conftest import grads_of, max_relative_error, synthetic_inputs
+
+    tokenizer = build_tokenizer()
+    model = build_model("qwen3", seed=0)
+    dataset = Dataset.from_dict({"prompt": ["unused"] * 4})
+    common = {
+        "output_dir": tempfile.mkdtemp(),
+        "per_device_train_batch_size": 6,
+        "num_generations": 3,
+        "report_to": "none",
+    }
+    common.update(bf16=False, seed=0)
+    trainers = [
+        trainer_class(
+            model=copy.deepcopy(model),
+            reward_funcs=char_code_reward,
+            args=config_class(**common, **fields),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
+        for trainer_class, config_class, fields in (
+            (GRPOTrainer, GRPOConfig, {}),
+            (LongStrawGRPOTrainer, LongStrawGRPOConfig, {"prompt_gradient": "exact", "prefill_chunk_size": 4}),
+        )
+    ]
+    stock, ours = trainers
+    for trainer in trainers:  # what the training loop sets before compute_loss
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.model.train()
+    batches = [synthetic_inputs(len(tokenizer), seed=seed) for seed in range(dist.get_world_size())]
+    wanted = []
+    for batch in batches:
+        stock.model.zero_grad(set_to_none=True)
+        stock.compute_loss(stock.model, batch).backward()
+        wanted.append(grads_of(stock.model))
+    mean = {name: sum(grads[name] for grads in wanted) / len(wanted) for name in wanted[0]}
+    ours.replay_and_backward(ours.model, batches[dist.get_rank()])
+    got = grads_of(ours.model)
+    report = {
+        "rank": dist.get_rank(),
+        "error_vs_stock_mean": max_relative_error(got, mean),
+        "error_vs_own_batch": max_relative_error(got, wanted[dist.get_rank()]),
+    }
+    print("DP_REPORT " + json.dumps(report), flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "gradient":
+        gradient_against_stock()
+    else:
+        main(sys.argv[1])

@@ -16,9 +16,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("prompt_gradient", ["detach", "exact"])
-def test_two_ranks_end_the_step_with_identical_weights(prompt_gradient):
+def launch(argument: str) -> list[dict]:
+    """`distributed_worker.py argument` on 2 gloo ranks; each rank's report."""
     launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
     command = [
         launcher,
@@ -35,7 +34,7 @@ def test_two_ranks_end_the_step_with_identical_weights(prompt_gradient):
         "--main_process_port",
         str(free_port()),
         os.path.join(os.path.dirname(__file__), "distributed_worker.py"),
-        prompt_gradient,
+        argument,
     ]
     env = dict(os.environ, PYTHONPATH=os.getcwd(), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
@@ -43,6 +42,19 @@ def test_two_ranks_end_the_step_with_identical_weights(prompt_gradient):
     # the two ranks share stdout, so their lines may interleave: pick the reports out by pattern
     reports = [json.loads(match) for match in re.findall(r"DP_REPORT (\{[^}]*\})", result.stdout)]
     assert sorted(r["rank"] for r in reports) == [0, 1]
-    for report in reports:
+    return reports
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt_gradient", ["detach", "exact"])
+def test_two_ranks_end_the_step_with_identical_weights(prompt_gradient):
+    for report in launch(prompt_gradient):
         assert report["max_rank_difference"] == 0.0
         assert report["moved"] > 0
+
+
+@pytest.mark.slow
+def test_each_rank_ends_with_the_mean_of_stocks_gradients_over_both_ranks_batches():
+    for report in launch("gradient"):
+        assert report["error_vs_stock_mean"] <= 1e-4
+        assert report["error_vs_own_batch"] > 1e-2  # the batches differ: the mean is not a rank's own gradient
