@@ -117,8 +117,41 @@ def gradient_against_stock() -> None:
     print("DP_REPORT " + json.dumps(report), flush=True)
 
 
+def reached_on_one_rank_only() -> None:
+    """Routing can reach a parameter on one rank and not on another (an expert one rank's tokens choose): both ranks
+    must still average the same parameters, that one included (rank 1's backward here never reaches layer 1's MLP)."""
+    from tests.conftest import synthetic_inputs
+
+    tokenizer = build_tokenizer()
+    args = LongStrawGRPOConfig(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=6, num_generations=3, report_to="none", bf16=False
+    )
+    trainer = LongStrawGRPOTrainer(
+        model=build_model("qwen3", seed=0),
+        reward_funcs=char_code_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["unused"] * 4}),
+        processing_class=tokenizer,
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    mlp = trainer.model.model.layers[1].mlp
+    if dist.get_rank() == 1:
+        mlp.register_forward_hook(lambda module, inputs, output: output.detach())
+    trainer.replay_and_backward(trainer.model, synthetic_inputs(len(tokenizer), seed=dist.get_rank()))
+    reached = sorted(name for name, p in trainer.model.named_parameters() if any(p is q for q in trainer._reached))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, reached)
+    report = {
+        "rank": dist.get_rank(),
+        "same_reached": all(names == reached for names in everyone),
+        "mlp_reached": "model.layers.1.mlp.down_proj.weight" in reached,
+        "mlp_grad_norm": float(mlp.down_proj.weight.grad.norm()),
+    }
+    print("DP_REPORT " + json.dumps(report), flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "gradient":
-        gradient_against_stock()
-    else:
-        main(sys.argv[1])
+    {"gradient": gradient_against_stock, "reached": reached_on_one_rank_only}.get(
+        sys.argv[1], lambda: main(sys.argv[1])
+    )()

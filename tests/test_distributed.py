@@ -58,3 +58,11 @@ def test_each_rank_ends_with_the_mean_of_stocks_gradients_over_both_ranks_batche
     for report in launch("gradient"):
         assert report["error_vs_stock_mean"] <= 1e-4
         assert report["error_vs_own_batch"] > 1e-2  # the batches differ: the mean is not a rank's own gradient
+
+
+@pytest.mark.slow
+def test_a_parameter_only_one_rank_reaches_is_averaged_on_every_rank():
+    reports = launch("reached")
+    for report in reports:
+        assert report["same_reached"] and report["mlp_reached"]
+    assert reports[0]["mlp_grad_norm"] == reports[1]["mlp_grad_norm"] > 0  # rank 0's gradient, halved, on both
