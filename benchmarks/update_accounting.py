@@ -231,8 +231,11 @@ def recipe_setup(path: Path, prompt_tokens: int) -> tuple[str, str, UpdateSetup,
     checkpointing = recipe.get("activation_checkpointing", recipe.get("gradient_checkpointing")) or False
     # A rollout keeps one prompt state per distinct prompt of a process's generation batch; vLLM generates elsewhere.
     steps_per_generation = get("steps_per_generation") or get("gradient_accumulation_steps")
-    rollout = get("rollout_from_prompt_state") is not False and not get("use_vllm")
-    prompts = get("per_device_train_batch_size") * steps_per_generation // get("num_generations") if rollout else 0
+    rollout = get("rollout_from_prompt_state") is not False
+    rollout = rollout and not get("use_vllm") and not get("use_transformers_continuous_batching")
+    rows, group = get("per_device_train_batch_size") * steps_per_generation, get("num_generations")
+    # a process's rows that do not hold whole groups can start mid-group: one more prompt at most
+    prompts = (-(-rows // group) + (1 if rows % group else 0)) if rollout else 0
     setup = UpdateSetup(
         prompt_tokens=prompt_tokens,
         completion_tokens=get("max_completion_length"),

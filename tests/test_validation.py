@@ -151,9 +151,9 @@ def test_disable_dropout_false_is_accepted_for_a_model_without_dropout(tmp_path,
     assert trainer.args.disable_dropout is False
 
 
-@pytest.mark.parametrize("variable", ["ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"])
-def test_deepspeed_or_fsdp_from_an_accelerate_config_is_refused(tmp_path, monkeypatch, variable):
-    monkeypatch.setenv(variable, "true")
+@pytest.mark.parametrize("variable, value", [("ACCELERATE_USE_DEEPSPEED", "true"), ("ACCELERATE_USE_FSDP", "1")])
+def test_deepspeed_or_fsdp_from_an_accelerate_config_is_refused(tmp_path, monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)  # transformers reads these with strtobool
     with pytest.raises(ValueError, match=f"not DeepSpeed or FSDP \\({variable} set by an accelerate config\\)"):
         trainer_args(LongStrawGRPOConfig, tmp_path)
 

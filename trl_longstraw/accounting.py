@@ -131,6 +131,7 @@ NF4_CODE_VALUES = 16  # the NF4 code book, fp32, one copy per quantised weight (
 NESTED_BLOCKSIZE = 256  # double quantisation: absmax values quantised to uint8 in blocks of 256
 NESTED_CODE_VALUES = 256  # double quantisation's 8-bit dynamic code book, fp32, one copy per quantised weight
 FP32_BYTES = 4
+BF16_BYTES = 2
 
 # Replay-graph estimate, per token and decoder layer, in activation-dtype elements: ACTIVATION_FACTOR x (the inputs
 # and outputs of every linear map a token passes through + two norm inputs). The factor covers what the matmuls do
@@ -499,7 +500,7 @@ class UpdateSetup:
     def adapter_value_bytes(self) -> int:
         if self.lora_value_bytes is not None:
             return self.lora_value_bytes
-        return self.dtype_bytes if self.quantization == "nf4" else FP32_BYTES
+        return BF16_BYTES if self.quantization == "nf4" else FP32_BYTES
 
 
 @dataclass(frozen=True)

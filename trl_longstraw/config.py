@@ -13,8 +13,9 @@ PROMPT_STATE_DTYPES = ("auto", "float8_e4m3fn")
 
 
 def env_flag(name: str) -> bool:
-    """An `accelerate launch` flag exported to the process (`ACCELERATE_USE_*`, "true"/"false")."""
-    return os.environ.get(name, "false").lower() == "true"
+    """An `accelerate launch` flag exported to the process (`ACCELERATE_USE_*`), true as transformers' `strtobool`
+    reads it ("1", "true", "yes", ...)."""
+    return os.environ.get(name, "false").lower() in ("1", "y", "yes", "t", "true", "on")
 
 
 def accelerate_context_parallel_size(parallelism_config) -> int | None:

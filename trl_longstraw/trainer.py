@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import datasets
 import torch
 from accelerate.utils import is_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -293,15 +294,17 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     @staticmethod
     def _check_positions(config, args: LongStrawGRPOConfig, prompt_width: int) -> None:
-        """Refuse prompts that, with the tokens generation may add (`max_completion_length`, or a `max_new_tokens` in
-        `generation_kwargs`, which overrides it as in GRPOTrainer), would run past the model's positions.
+        """Refuse prompts that, with the tokens generation may add (`max_completion_length`, or a `max_new_tokens` /
+        vLLM `max_tokens` in `generation_kwargs`, which override it as in GRPOTrainer), would run past the model's
+        positions.
 
         Called at construction (a one-token prompt) and on the tokenized prompts before each generation, so the
         costliest part of a long-prompt step never runs for a batch the update would refuse.
         """
         generated, field_name = args.max_completion_length or 0, "max_completion_length"
-        if (args.generation_kwargs or {}).get("max_new_tokens") is not None:
-            generated, field_name = args.generation_kwargs["max_new_tokens"], "generation_kwargs max_new_tokens"
+        for key in ("max_new_tokens", "max_tokens"):  # generate's, vLLM's
+            if (args.generation_kwargs or {}).get(key) is not None:
+                generated, field_name = args.generation_kwargs[key], f"generation_kwargs {key}"
         multiple = args.pad_to_multiple_of
 
         def padded(width: int) -> int:
@@ -647,8 +650,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def get_eval_dataloader(self, eval_dataset=None):
         """TRL's; under context parallelism the eval set is checked first (`_check_eval_dataset`)."""
-        if self._context_parallel is not None:
-            dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if self._context_parallel is not None and dataset is not None:  # none at all: TRL's own error
             self._check_eval_dataset(self.eval_dataset[dataset] if isinstance(dataset, str) else dataset)
         return super().get_eval_dataloader(eval_dataset)
 
@@ -662,7 +665,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _check_eval_dataset(self, dataset) -> None:
         """Under context parallelism an eval set must be map-style (an iterable one reaches each rank with its own
         rows, of which a CP group would evaluate only its first rank's) and fill whole batches of whole groups."""
-        if not hasattr(dataset, "__len__"):
+        if isinstance(dataset, (datasets.IterableDataset, torch.utils.data.IterableDataset)) or not hasattr(
+            dataset, "__len__"
+        ):
             raise ValueError(
                 f"context_parallel_size={self._context_parallel.size} with an iterable eval dataset: each rank would "
                 "draw its own rows and a CP group would evaluate only its first rank's. Pass a map-style Dataset "

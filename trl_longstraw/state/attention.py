@@ -69,7 +69,7 @@ class AttentionPages(LayerState):
         if exact or (window is None and chunk is None):
             return LayerAccount("full_attention", per_token=per_token)
         if chunk is not None:
-            return LayerAccount("chunked_attention", fixed=per_token * (chunk - 1), window=chunk - 1)
+            return LayerAccount("chunked_attention", fixed=per_token * (chunk - 1))  # at most: the current chunk
         return LayerAccount("sliding_attention", fixed=per_token * (window - 1), window=window - 1)
 
     def __init__(self, mixer, layer_idx, layer_type, prompt):
