@@ -575,5 +575,5 @@ def update_account(config: PretrainedConfig, setup: UpdateSetup, trust_remote_co
         skeleton, setup.prefill_chunk_size, setup.prompt_tokens - 1, setup.attention_chunk_size, setup.dtype_bytes
     )
     scalars = 8 * setup.group_size * setup.completion_tokens * FP32_BYTES
-    decoded_row = prompt_state_account(config, setup.dtype_bytes, **remote).bytes(setup.completion_tokens)
+    decoded_row = sum(prompt_state_bytes(skeleton, setup.completion_tokens, setup.dtype_bytes).values())
     return UpdateAccount(setup, weights, lora, state, replay, capture, scalars, decoded_row)

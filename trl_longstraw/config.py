@@ -125,10 +125,10 @@ class LongStrawGRPOConfig(GRPOConfig):
             "tokens), instead of transformers' generate, which prefills and caches the prompt once per row. The same "
             "capture then serves scoring and the update while the weights stay put. Sampling follows the same "
             "generation settings (temperature, top_p, top_k, min_p, repetition_penalty, generation_kwargs) and a "
-            "seeded run samples the same completions as stock with float32 weights. None (default): on, except with use_vllm or "
-            "use_transformers_continuous_batching, which keep generating as in TRL (or where the generation settings "
-            "ask for what it does not implement, e.g. beam search: a warning says so). True: on, and such settings "
-            "are an error. False: TRL's generation."
+            "seeded run samples the same completions as stock with float32 weights. None (default): on, except with "
+            "use_vllm or use_transformers_continuous_batching, which keep generating as in TRL (or where the "
+            "generation settings ask for what it does not implement, e.g. beam search: a warning says so). True: on, "
+            "and such settings are an error. False: TRL's generation."
         },
     )
     context_parallel_size: int | None = field(

@@ -22,10 +22,10 @@ tokens) and every rank computes the partial attention of those queries over its 
 so far plus the chunk's own keys, causal; a rank whose shard is not captured yet contributes `lse = -inf`); the
 partials are merged on every rank. Meanwhile the other ranks run `ShardedPromptState.serve`, the matching loop, until
 the owner announces the end of its shard (the exact-mode recompute runs the same way, shards in reverse order, the
-owner also announcing each attention backward). Recurrent layers (GatedDeltaNet, Mamba2) are sequential: the owner of shard r + 1
-starts from shard r's final conv/recurrent states, sent point to point; after the last shard its final states are
-broadcast, so that every rank's replay starts from the whole prompt's recurrent state. So no rank ever holds another
-rank's pages, only one chunk of another rank's queries and one chunk-sized partial at a time.
+owner also announcing each attention backward). Recurrent layers (GatedDeltaNet, Mamba2) are sequential: the owner
+of shard r + 1 starts from shard r's final conv/recurrent states, sent point to point; after the last shard its final
+states are broadcast, so that every rank's replay starts from the whole prompt's recurrent state. So no rank ever
+holds another rank's pages, only one chunk of another rank's queries and one chunk-sized partial at a time.
 
 Replay and scoring: every rank of the group runs the same member in lockstep; each attends over its own shard's pages,
 the completion's own keys are counted on rank 0 of the group only, and `ContextParallelAttention` merges the partials
@@ -858,7 +858,8 @@ class ContextParallelEngine(LongStrawEngine):
         return self.context_parallel is not None and self.context_parallel.size > 1
 
     def agree(self, decision: torch.Tensor) -> torch.Tensor:
-        """A rollout step's decision, rank 0's on every rank of the CP group (they decode the same rows in lockstep)."""
+        """A rollout step's decision, rank 0's on every rank of the CP group (they decode the same rows in
+        lockstep)."""
         if not self.sharded:
             return decision
         return self.context_parallel.broadcast(decision.to(torch.int64).contiguous(), 0, kind="rollout").to(

@@ -12,8 +12,9 @@ built, by the model's `GenerationMixin` helpers from the same `GenerationConfig`
 (`argmax`, or `multinomial` over the whole batch's probabilities). All prompts of the batch advance in lockstep, one
 `[batch, vocab]` draw per step, so that a seeded run draws the same random numbers in the same order as `generate`:
 the same completions as stock `GRPOTrainer` with float32 weights (in bf16 the two paths' attention kernels round
-differently, which can flip a draw; fp8 pages and context parallelism change the numbers by design). The price is that a process keeps one
-prompt state per distinct prompt of its generation batch alive while decoding (one, with one group per process).
+differently, which can flip a draw; fp8 pages and context parallelism change the numbers by design). The price is
+that a process keeps one prompt state per distinct prompt of its generation batch alive while decoding (one, with
+one group per process).
 """
 
 from __future__ import annotations

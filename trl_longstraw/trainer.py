@@ -16,7 +16,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import datasets
 import torch
 from accelerate.utils import is_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -254,9 +253,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._kept: _KeptState | None = None
         self._reached: list[torch.nn.Parameter] | None = None
         self.rollout_from_prompt_state = self._resolve_rollout(args)
-        if (
-            self._context_parallel is not None and self.eval_dataset is not None
-        ):  # refused now, not at the first evaluation
+        if self._context_parallel is not None and self.eval_dataset is not None:  # refused now, not when evaluating
             for dataset in self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]:
                 self._check_eval_dataset(dataset)
         self.add_callback(_LongStrawCallback(self))
@@ -665,9 +662,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _check_eval_dataset(self, dataset) -> None:
         """Under context parallelism an eval set must be map-style (an iterable one reaches each rank with its own
         rows, of which a CP group would evaluate only its first rank's) and fill whole batches of whole groups."""
-        if isinstance(dataset, (datasets.IterableDataset, torch.utils.data.IterableDataset)) or not hasattr(
-            dataset, "__len__"
-        ):
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
             raise ValueError(
                 f"context_parallel_size={self._context_parallel.size} with an iterable eval dataset: each rank would "
                 "draw its own rows and a CP group would evaluate only its first rank's. Pass a map-style Dataset "
