@@ -14,7 +14,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 from datasets import Dataset
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
 from trl_longstraw.embedded import build_model, build_tokenizer
@@ -71,35 +71,21 @@ def main(prompt_gradient: str) -> None:
 def gradient_against_stock() -> None:
     """Exact mode, rank r backward on its own synthetic batch (`replay_and_backward`, which averages across the ranks):
     every rank must hold the mean of stock GRPOTrainer's gradients over both ranks' batches, each computed here."""
-    from tests.conftest import grads_of, max_relative_error, synthetic_inputs
+    from tests.conftest import grads_of, make_trainer, max_relative_error, synthetic_inputs
 
     tokenizer = build_tokenizer()
     model = build_model("qwen3", seed=0)
     dataset = Dataset.from_dict({"prompt": ["unused"] * 4})
-    common = {
-        "output_dir": tempfile.mkdtemp(),
-        "per_device_train_batch_size": 6,
-        "num_generations": 3,
-        "report_to": "none",
-    }
-    common.update(bf16=False, seed=0)
-    trainers = [
-        trainer_class(
-            model=copy.deepcopy(model),
-            reward_funcs=char_code_reward,
-            args=config_class(**common, **fields),
-            train_dataset=dataset,
-            processing_class=tokenizer,
-        )
-        for trainer_class, config_class, fields in (
-            (GRPOTrainer, GRPOConfig, {}),
-            (LongStrawGRPOTrainer, LongStrawGRPOConfig, {"prompt_gradient": "exact", "prefill_chunk_size": 4}),
-        )
-    ]
-    stock, ours = trainers
-    for trainer in trainers:  # what the training loop sets before compute_loss
-        trainer.current_gradient_accumulation_steps = 1
-        trainer.model.train()
+    stock = make_trainer(GRPOTrainer, copy.deepcopy(model), tokenizer, dataset, tempfile.mkdtemp())
+    ours = make_trainer(
+        LongStrawGRPOTrainer,
+        model,
+        tokenizer,
+        dataset,
+        tempfile.mkdtemp(),
+        prompt_gradient="exact",
+        prefill_chunk_size=4,
+    )
     batches = [synthetic_inputs(len(tokenizer), seed=seed) for seed in range(dist.get_world_size())]
     wanted = []
     for batch in batches:
@@ -120,21 +106,11 @@ def gradient_against_stock() -> None:
 def reached_on_one_rank_only() -> None:
     """Routing can reach a parameter on one rank and not on another (an expert one rank's tokens choose): both ranks
     must still average the same parameters, that one included (rank 1's backward here never reaches layer 1's MLP)."""
-    from tests.conftest import synthetic_inputs
+    from tests.conftest import make_trainer, synthetic_inputs
 
     tokenizer = build_tokenizer()
-    args = LongStrawGRPOConfig(
-        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=6, num_generations=3, report_to="none", bf16=False
-    )
-    trainer = LongStrawGRPOTrainer(
-        model=build_model("qwen3", seed=0),
-        reward_funcs=char_code_reward,
-        args=args,
-        train_dataset=Dataset.from_dict({"prompt": ["unused"] * 4}),
-        processing_class=tokenizer,
-    )
-    trainer.current_gradient_accumulation_steps = 1
-    trainer.model.train()
+    dataset = Dataset.from_dict({"prompt": ["unused"] * 4})
+    trainer = make_trainer(LongStrawGRPOTrainer, build_model("qwen3", seed=0), tokenizer, dataset, tempfile.mkdtemp())
     mlp = trainer.model.model.layers[1].mlp
     if dist.get_rank() == 1:
         mlp.register_forward_hook(lambda module, inputs, output: output.detach())
