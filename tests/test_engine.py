@@ -9,7 +9,13 @@ from trl.trainer.utils import add_fused_lm_head
 
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine, NonFiniteError, prepare_model
-from trl_longstraw.state import AttentionPages, LinearAttentionState, StaleStateError, UnpreparedModelError
+from trl_longstraw.state import (
+    AttentionPages,
+    LatentPages,
+    LinearAttentionState,
+    StaleStateError,
+    UnpreparedModelError,
+)
 
 
 def prepared(model):
@@ -129,6 +135,34 @@ def test_a_one_token_prompt_scores_and_replays_from_an_empty_state(family):
     assert (scored - want).abs().max() <= 1e-5
     logps, _ = engine.replay(model, state, prompt, completions[0], int(lengths[0]))
     assert torch.allclose(logps.detach(), scored[0], atol=1e-6)
+
+
+@pytest.mark.parametrize(("family", "kind"), [("qwen3", AttentionPages), ("deepseek_v3", LatentPages)])
+def test_capture_and_recompute_skip_the_final_layers_attention(monkeypatch, family, kind):
+    """The prompt tokens' attention at the final layer feeds nothing a replay or the exact gradient reads: a capture
+    and a recompute keep that layer's state but never attend there; a replay attends at every layer."""
+    model = prepared(build_model(family, num_hidden_layers=3))
+    prompt, completions, lengths = case()
+    attended = []
+    attention = kind._attention
+
+    def recording(self, access, *args, **kwargs):
+        attended.append((access.mode, self.layer_idx))
+        return attention(self, access, *args, **kwargs)
+
+    monkeypatch.setattr(kind, "_attention", recording)
+    engine = LongStrawEngine(8, 4, prompt_gradient="exact")
+    state = engine.capture(model, prompt, first_position=0)
+    assert all(layer.captured() for layer in state.layers if isinstance(layer, kind))
+    logps, _ = engine.replay(model, state.requires_grad_(), prompt[-1:], completions[0], int(lengths[0]))
+    logps.sum().backward()
+    engine.backward_prompt(model, state, prompt)
+    chunks = -(-(prompt.numel() - 1) // 8)
+    assert sorted(attended) == sorted(
+        [("capture", layer) for layer in (0, 1) for _ in range(chunks)]
+        + [("read", layer) for layer in (0, 1, 2)]
+        + [("recompute", layer) for layer in (0, 1) for _ in range(chunks)]
+    )
 
 
 def test_a_model_with_another_attention_implementation_is_refused_before_capture():

@@ -106,6 +106,18 @@ class LatentPages(LayerState):
         latent, rope_key = access.cache_inputs[self.layer_idx]  # [batch, 1, tokens, rank], [batch, 1, tokens, rope]
         own_keys = torch.cat([latent, rope_key], dim=-1)[:, 0]  # [batch, tokens, rank + rope]: one set per row
         own_keys = access.own_entries(self, "latent", own_keys, dim=1)  # decoding: the rows' earlier latents first
+        if access.output_unread(self.layer_idx):
+            out = query.new_zeros(*query.shape[:-1], module.v_head_dim)
+        else:
+            out = self._attention(access, query, own_keys, scaling, indices)
+        if access.mode == "capture":
+            self.pages.append(own_keys[:1])
+        elif access.mode == "recompute":
+            access.recorded[self] = own_keys[0]
+        return out
+
+    def _attention(self, access, query, own_keys, scaling, indices) -> torch.Tensor:
+        module = self.mixer
         rank = module.kv_lora_rank
         absorbed, values = absorb(module, query)
         positions = access.query_positions
@@ -123,10 +135,6 @@ class LatentPages(LayerState):
         own_positions = access.own_positions(own_keys.shape[1])
         blocks.append((own_keys, own_keys[..., :rank], KeyBlock(own_positions, shared=False, selection=selected)))
         out = attention_over_blocks(absorbed, blocks, positions, scaling, CAUSAL, access.attention_chunk_size)
-        if access.mode == "capture":
-            self.pages.append(own_keys[:1])
-        elif access.mode == "recompute":
-            access.recorded[self] = own_keys[0]
         return values(out)
 
     def dequantizer(self, dtype: torch.dtype):

@@ -56,6 +56,7 @@ class PromptState:
         self.layers: list[LayerState] = [
             kind(mixer, plan.layer_idx, plan.layer_type, self.geometry) for plan in plans for kind, mixer in plan.kinds
         ]
+        self.final_layer_idx = plans[-1].layer_idx
         self._by_mixer = {id(layer.mixer): layer for layer in self.layers}
         for layer in self.layers:
             if isinstance(layer, IndexerKeys):
@@ -258,6 +259,13 @@ class StateAccess(Cache):
         return self.suffix.positions(count, self.query_positions.numel(), self.query_positions.device)
 
     # -- attention-like mixers (through the registered attention function) -------------------------------------------
+    def output_unread(self, layer_idx: int) -> bool:
+        """Whether nothing reads what this forward's tokens attend to at `layer_idx`: the final decoder layer of a
+        capture or recompute. Its outputs are the prompt tokens' last hidden states, which no replay reads (a replay
+        starts at the last prompt token) and no exact-mode gradient reaches (it flows from the state's tensors). Its
+        state is still written; attention kinds skip the attention itself (1/num_layers of a capture's attention)."""
+        return self.mode in ("capture", "recompute") and layer_idx == self.state.final_layer_idx
+
     def attend(self, module, query, key, value, **features) -> torch.Tensor:
         return self.state.for_mixer(module).attend(self, query, key, value, **features)
 
