@@ -55,13 +55,13 @@ def test_level2_scores_equal_a_full_eager_forward(family, prefill_chunk, attenti
     assert torch.all(logps[1, 3:] == 0) and torch.all(logps[2, 5:] == 0)
 
 
-def sparse_dsa_error(family, before_scoring=lambda model: None):
+def sparse_dsa_error(family, before_scoring=lambda model: None, prompt_length=29):
     """Largest |log-prob difference| between capture + score (chunks of 7, key blocks of 5) and one full eager
-    forward, at top-12 of up to 36 keys: 32 index heads, so that no key scores exactly 0 (ReLU) and no tie sits at
-    the selection boundary. `before_scoring(model)` runs between building the models and the scoring."""
+    forward, at top-12 of up to `prompt_length + 7` keys: 32 index heads, so that no key scores exactly 0 (ReLU) and
+    no tie sits at the selection boundary. `before_scoring(model)` runs between building the models and the scoring."""
     eager, model = eager_and_prepared(family, index_topk=12, index_n_heads=32)
     before_scoring(model)
-    prompt, completions, lengths = case()
+    prompt, completions, lengths = case(prompt_length=prompt_length)
     engine = LongStrawEngine(7, 5)
     with torch.no_grad():
         want, _ = full_forward(eager, prompt, completions, lengths, offset=0)
@@ -75,28 +75,34 @@ def test_level2_sparse_dsa_selection(family):
 
 
 @pytest.mark.parametrize("family", sorted(DSA))
-def test_dsa_indexer_scores_one_block_of_prompt_keys_at_a_time(family, monkeypatch):
-    """The model's indexer never scores a token against more than `attention_chunk_size` prompt keys at once (nor
-    against the prompt's keys in its own call: those come block by block), and the selection still equals one full
-    eager forward's (top-12 of up to 36 keys)."""
+def test_dsa_indexer_calls_stay_within_one_chunks_scores_and_rerun_the_query_side_rarely(family, monkeypatch):
+    """An indexer call over the prompt's keys never scores more (row, key) pairs than all its call's rows against
+    `attention_chunk_size` keys, but it takes wider key blocks with fewer rows, so the indexer's query side reruns
+    less often than once per `attention_chunk_size` keys; the model's own call scores its own keys only; and the
+    selection still equals one full eager forward's (top-12 of up to 87 keys)."""
     from trl_longstraw.state import dsa
 
-    blocks, own = [], []
+    calls, own = [], []
     visit_block, select = dsa.block_candidates, dsa.IndexerKeys.select
 
     def recording_block(indexer, call, keys, key_index, k):
-        blocks.append(keys.shape[1])
+        calls.append((call["hidden_states"].shape[1], keys.shape[1]))
         return visit_block(indexer, call, keys, key_index, k)
 
     def recording_select(self, access, call, own_scores, own_index, k):
-        own.append((own_scores.shape[-1], call["hidden_states"].shape[1]))
+        own.append((own_scores.shape[-1], call["hidden_states"].shape[1], access.prefix_length))
         return select(self, access, call, own_scores, own_index, k)
 
     monkeypatch.setattr(dsa, "block_candidates", recording_block)
     monkeypatch.setattr(dsa.IndexerKeys, "select", recording_select)
-    assert sparse_dsa_error(family) <= 1e-5
-    assert max(blocks) == 5 and len(blocks) > len(own)  # several blocks per indexer call, none wider than a chunk
-    assert all(columns == tokens for columns, tokens in own)  # the model's own call: its own keys only
+    assert sparse_dsa_error(family, prompt_length=80) <= 1e-5
+    assert all(columns == tokens for columns, tokens, _ in own)  # the model's own call: its own keys only
+    widest = max(tokens for _, tokens, _ in own) * 5
+    assert all(rows * keys <= widest for rows, keys in calls)
+    assert max(keys for _, keys in calls) == 40 and len(calls) > len(own)  # key blocks of 8 x 5, several per call
+    query_side_rows = sum(rows for rows, _ in calls)
+    once_per_chunk_of_keys = sum(tokens * -(-prefix // 5) for _, tokens, prefix in own)
+    assert query_side_rows * 4 < once_per_chunk_of_keys
 
 
 def test_an_interrupted_dsa_selection_leaves_later_topk_calls_alone(monkeypatch):

@@ -10,12 +10,13 @@ against the whole prompt at once (transformers' indexer would hold `[tokens, ind
 a GLM-5 capture chunk at 2M positions). A forward's indexer call sees only the forward's own keys (the Cache API's
 `update_indexer` hands back no prompt key, and the masks span the own keys only); its `topk` of those scores is
 intercepted ([`IndexerSelection`], a `TorchFunctionMode` entered by the indexer's forward hooks) and becomes the top-k
-over the prompt's keys too: the indexer's `forward` runs again over the prompt's keys block by block
-(`attention_chunk_size` keys, staged from host memory where the state lives there), each block's top-k candidates
-merged with the running best. The top-k of the whole prefix is always among the blocks' top-k candidates, so this is
-exact; exactly tied index scores may be broken differently than one `topk` over everything (as between two
-chunkings). The transient is `[tokens, index_heads, attention_chunk_size]`. Under context parallelism each rank does
-this over its shard and the candidates are merged across ranks (`context_parallel.py`).
+over the prompt's keys too: the indexer's `forward` runs again over the prompt's keys block by block (staged from
+host memory where the state lives there), each block's top-k candidates merged with the running best. The top-k of
+the whole prefix is always among the blocks' top-k candidates, so this is exact; exactly tied index scores may be
+broken differently than one `topk` over everything (as between two chunkings). The transient is at most the scores
+of `[tokens, index_heads, attention_chunk_size]`, taken as fewer query rows against wider key blocks (up to
+`INDEXER_KEYS_PER_CALL`), because each call reruns the indexer's query side. Under context parallelism each rank
+does this over its shard and the candidates are merged across ranks (`context_parallel.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ from .placement import Pages
 from .registry import LayerAccount, LayerState, register_state_kind
 
 _TOPK = (torch.Tensor.topk, torch.topk)
+
+# The most prompt keys one indexer call over the prompt scores. Every call runs the indexer's query side again (its
+# projections of the call's tokens: `wq_b`, `weights_proj`, `wk`, RoPE), so a call covers as many keys as the score
+# transient allows (`IndexerKeys.prompt_candidates`). GLM-5 (32 index heads of 128, q_lora_rank 2,048, hidden 6,144):
+# about 9.4M multiply-adds of query side per token and call against 4.1K of scoring per key, i.e. 28% on top of the
+# scoring with calls of 8,192 keys, 3.5% with 65,536, whose fp32 key copy is 32 MiB.
+INDEXER_KEYS_PER_CALL = 65_536
 
 
 def merge_candidates(
@@ -173,11 +181,36 @@ class IndexerKeys(LayerState):
 
     def prompt_candidates(self, call: dict, best, k: int, limit: int, block: int, first: int):
         """`best` (or nothing) merged with the top-`k` candidates of the first `limit` pages (global key indices from
-        `first`) for the queries of indexer `call`, block by block of `block` keys."""
-        device = call["hidden_states"].device
-        for start in range(0, limit, block):
-            end = min(start + block, limit)
-            keys = self.prompt.placement.stage(self.keys.read(end)[:, start:end], device)
-            key_index = torch.arange(first + start, first + end, device=device)
-            best = merge_candidates(best, block_candidates(self.mixer, call, keys, key_index, k), k)
-        return best
+        `first`) for the queries of indexer `call`.
+
+        The indexer is called over blocks of query rows x blocks of keys whose scores never outnumber those of all
+        the call's rows against `block` keys (the `[tokens, index_heads, block]` bound), with the keys as wide as
+        that allows up to `INDEXER_KEYS_PER_CALL`: fewer rows per call, fewer calls per row, and so fewer reruns of
+        the indexer's query side. A decoding step (one row) keeps blocks of `block` keys.
+        """
+        if limit == 0:
+            return best
+        hidden = call["hidden_states"]
+        tokens = hidden.shape[1]
+        keys_per_call = min(limit, max(block, min(INDEXER_KEYS_PER_CALL, tokens * block)))
+        rows = min(tokens, max(1, tokens * block // keys_per_call))
+        row_blocks = [(start, min(start + rows, tokens)) for start in range(0, tokens, rows)]
+        bests = [None if best is None else (best[0][:, a:b], best[1][:, a:b]) for a, b in row_blocks]
+        for start in range(0, limit, keys_per_call):
+            end = min(start + keys_per_call, limit)
+            keys = self.prompt.placement.stage(self.keys.read(end)[:, start:end], hidden.device)
+            key_index = torch.arange(first + start, first + end, device=hidden.device)
+            for i, (a, b) in enumerate(row_blocks):
+                candidates = block_candidates(self.mixer, _rows_of(call, a, b), keys, key_index, k)
+                bests[i] = merge_candidates(bests[i], candidates, k)
+        return torch.cat([b[0] for b in bests], dim=1), torch.cat([b[1] for b in bests], dim=1)
+
+
+def _rows_of(call: dict, start: int, end: int) -> dict:
+    """An indexer call's inputs for its query rows `start .. end - 1` (what `block_candidates` reads)."""
+    cos, sin = call["position_embeddings"]
+    return {
+        "hidden_states": call["hidden_states"][:, start:end],
+        "q_resid": call["q_resid"][:, start:end],
+        "position_embeddings": (cos[:, start:end], sin[:, start:end]),
+    }
