@@ -21,6 +21,8 @@ demo: $(STAMP)
 		--mixed_precision no --dynamo_backend no recipes/grpo_longstraw.py --config $(DEMO_CONFIG)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	WANDB_MODE=offline $(PYTHON) -m pytest
 
 clean:

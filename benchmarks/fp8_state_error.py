@@ -33,32 +33,32 @@ from trl_longstraw.engine import LongStrawEngine, prepare_model
 from trl_longstraw.state import StateAccess
 
 MODELS = {
-    "tiny (qwen3, hidden 64, 2 layers)": dict(family="qwen3"),
-    "wide (qwen3, hidden 1024, 16/8 heads of 64, 2 layers)": dict(
-        family="qwen3",
-        hidden_size=1024,
-        intermediate_size=2048,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=64,
-        max_position_embeddings=65536,
-    ),
-    "tiny MLA (deepseek_v3, hidden 64, latent 16 + rope 8, 3 layers)": dict(family="deepseek_v3"),
-    "wide MLA (deepseek_v3, hidden 1024, 16 heads, latent 512 + rope 64 as GLM-5, 2 dense layers)": dict(
-        family="deepseek_v3",
-        hidden_size=1024,
-        intermediate_size=2048,
-        num_hidden_layers=2,
-        first_k_dense_replace=2,
-        num_attention_heads=16,
-        num_key_value_heads=16,
-        q_lora_rank=512,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-        max_position_embeddings=65536,
-    ),
+    "tiny (qwen3, hidden 64, 2 layers)": {"family": "qwen3"},
+    "wide (qwen3, hidden 1024, 16/8 heads of 64, 2 layers)": {
+        "family": "qwen3",
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "max_position_embeddings": 65536,
+    },
+    "tiny MLA (deepseek_v3, hidden 64, latent 16 + rope 8, 3 layers)": {"family": "deepseek_v3"},
+    "wide MLA (deepseek_v3, hidden 1024, 16 heads, latent 512 + rope 64 as GLM-5, 2 dense layers)": {
+        "family": "deepseek_v3",
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 2,
+        "first_k_dense_replace": 2,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "q_lora_rank": 512,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "max_position_embeddings": 65536,
+    },
 }
 
 
@@ -98,7 +98,7 @@ def measure(model, prompt_length, group_size, completion_length, chunk):
             logps, _ = engine.score(model, state, prompt[-1:], completions, lengths, 1)
             dists = [next_token_log_probs(model, engine, state, prompt, c) for c in completions]
         grad = gradient(model, engine, state, prompt, completions, advantages)
-        results[name] = dict(logps=logps.float(), dists=dists, grad=grad, bytes=state.nbytes())
+        results[name] = {"logps": logps.float(), "dists": dists, "grad": grad, "bytes": state.nbytes()}
         results[name]["seconds"] = time.perf_counter() - begin
         del state
     bf16, fp8 = results["bf16"], results["fp8"]
@@ -107,15 +107,15 @@ def measure(model, prompt_length, group_size, completion_length, chunk):
         [(b.exp() * (b - f)).sum(-1).mean() for b, f in zip(bf16["dists"], fp8["dists"], strict=True)]
     ).mean()
     cosine = torch.nn.functional.cosine_similarity(bf16["grad"], fp8["grad"], dim=0)
-    return dict(
-        max_dlogp=delta.max().item(),
-        mean_dlogp=delta.mean().item(),
-        kl=kl.item(),
-        cosine=cosine.item(),
-        bf16_mib=bf16["bytes"] / 2**20,
-        fp8_mib=fp8["bytes"] / 2**20,
-        seconds=bf16["seconds"] + fp8["seconds"],
-    )
+    return {
+        "max_dlogp": delta.max().item(),
+        "mean_dlogp": delta.mean().item(),
+        "kl": kl.item(),
+        "cosine": cosine.item(),
+        "bf16_mib": bf16["bytes"] / 2**20,
+        "fp8_mib": fp8["bytes"] / 2**20,
+        "seconds": bf16["seconds"] + fp8["seconds"],
+    }
 
 
 def main() -> None:

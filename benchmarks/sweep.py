@@ -36,8 +36,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from presets import PRESETS  # noqa: E402
-from update_worker import GC_DEFAULT, MODES  # noqa: E402
+from presets import PRESETS
+from update_worker import GC_DEFAULT, MODES
 
 GIB = 1024**3
 FAIL_SKIPS = ("oom(budget)", "oom(alloc)", "oom(killed)", "timeout(cap)")
@@ -226,9 +226,11 @@ def library_snapshot(ref: str) -> tuple[str | None, str]:
     """`git archive` of trl_longstraw at `ref` into /tmp (other people edit the working tree while a sweep runs)."""
     if ref == "worktree":
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "trl_longstraw"], cwd=ROOT, capture_output=True, text=True
+            ["git", "status", "--porcelain", "trl_longstraw"], cwd=ROOT, capture_output=True, text=True, check=False
         ).stdout.strip()
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+        ).stdout.strip()
         return None, f"worktree at {head[:12]}{' (dirty)' if dirty else ''}"
     commit = subprocess.run(
         ["git", "rev-parse", ref], cwd=ROOT, capture_output=True, text=True, check=True
@@ -349,7 +351,7 @@ def capacity(args, store: Store, logs: Path) -> None:
     try:
         for mode in args.capacity_modes:
 
-            def probe(P):
+            def probe(P, mode=mode):
                 cfg = {
                     "kind": "capacity",
                     "mode": mode,
@@ -572,12 +574,16 @@ def summary(data: dict, args) -> str:
     meta = data.get("meta", {})
     lines += (
         [
-            f"Machine: {meta.get('cpu_count')} CPUs, {meta.get('memory_gib')} GiB, torch {meta.get('torch')}, "
-            f"{meta.get('platform')}. Threads per run: {args.threads or 'default'}.",
-            f"Memory = `{memory_label}`: on CPU the process resident-set high-water (VmHWM, reset just before the "
-            "update) minus the RSS right before it, for the update + one AdamW step; the budget watchdog polls the "
-            "child's whole RSS. Time = wall time of the update + optimizer step (model build, trainer build and a "
-            "tiny warm-up update excluded). One process per row.",
+            (
+                f"Machine: {meta.get('cpu_count')} CPUs, {meta.get('memory_gib')} GiB, torch {meta.get('torch')}, "
+                f"{meta.get('platform')}. Threads per run: {args.threads or 'default'}."
+            ),
+            (
+                f"Memory = `{memory_label}`: on CPU the process resident-set high-water (VmHWM, reset just before the "
+                "update) minus the RSS right before it, for the update + one AdamW step; the budget watchdog polls the "
+                "child's whole RSS. Time = wall time of the update + optimizer step (model build, trainer build and a "
+                "tiny warm-up update excluded). One process per row."
+            ),
             "",
             "Commands:",
             "",
@@ -598,8 +604,10 @@ def summary(data: dict, args) -> str:
     lines += [
         f"## Peak and time per mode at P={Pr}, G={Gp}, R={args.completion_length}",
         "",
-        "| mode | grad ckpt | status | peak GiB | time s | update s | update CPU s | optimizer s | "
-        "durable state MiB | grad norm | peak / stock-serialized | time / stock-serialized |",
+        (
+            "| mode | grad ckpt | status | peak GiB | time s | update s | update CPU s | optimizer s | "
+            "durable state MiB | grad norm | peak / stock-serialized | time / stock-serialized |"
+        ),
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     base = next(iter(ok_rows(defaults, mode="stock-serialized", P=Pr, G=Gp)), None)
@@ -642,11 +650,15 @@ def summary(data: dict, args) -> str:
     lines += [
         f"## Growth with G at P={Pr}",
         "",
-        "Memory increase G=2 -> G=8 as % of the G=8 peak; time per additional member = (t(G=8) - t(G=2)) / 6; "
-        "where more G were run, the least-squares slope of time over G too.",
+        (
+            "Memory increase G=2 -> G=8 as % of the G=8 peak; time per additional member = (t(G=8) - t(G=2)) / 6; "
+            "where more G were run, the least-squares slope of time over G too."
+        ),
         "",
-        "| mode | peak G=2 GiB | peak G=8 GiB | memory increase % of peak | time G=2 s | time G=8 s | "
-        "s per extra member | fitted s per member (Gs) |",
+        (
+            "| mode | peak G=2 GiB | peak G=8 GiB | memory increase % of peak | time G=2 s | time G=8 s | "
+            "s per extra member | fitted s per member (Gs) |"
+        ),
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode in MODES:
@@ -689,17 +701,21 @@ def summary(data: dict, args) -> str:
         lines += [
             f"## Floor at P={Pr}, G={Gp}",
             "",
-            "floor = weights + grads + AdamW state (2 x params, fp32) + durable prompt state + one member's "
-            f"replay graph. The replay graph is ESTIMATED from a measurement: the LongStraw detach peak above "
-            f"baseline at the smallest P run (P={s0['P']}, G={Gp}) minus its durable state, minus grads and "
-            "AdamW state (counted separately in the floor). It is an upper bound: it also holds that run's "
-            "capture/scoring transients and allocator slack. Cross-check from the replay phase alone "
-            "((replay-phase RSS high-water - baseline) - state - grads at that P): "
-            f"{_fmt(gib(graph_replay), '.4f')} GiB.",
+            (
+                "floor = weights + grads + AdamW state (2 x params, fp32) + durable prompt state + one member's "
+                f"replay graph. The replay graph is ESTIMATED from a measurement: the LongStraw detach peak above "
+                f"baseline at the smallest P run (P={s0['P']}, G={Gp}) minus its durable state, minus grads and "
+                "AdamW state (counted separately in the floor). It is an upper bound: it also holds that run's "
+                "capture/scoring transients and allocator slack. Cross-check from the replay phase alone "
+                "((replay-phase RSS high-water - baseline) - state - grads at that P): "
+                f"{_fmt(gib(graph_replay), '.4f')} GiB."
+            ),
             "",
-            f"- weights {w / 2**20:.1f} MiB, grads {g / 2**20:.1f} MiB, AdamW state {a / 2**20:.1f} MiB, "
-            f"durable prompt state {detach['durable_state_bytes'] / 2**20:.1f} MiB, replay graph (est.) "
-            f"{graph / 2**20:.1f} MiB -> floor {floor / GIB:.4f} GiB",
+            (
+                f"- weights {w / 2**20:.1f} MiB, grads {g / 2**20:.1f} MiB, AdamW state {a / 2**20:.1f} MiB, "
+                f"durable prompt state {detach['durable_state_bytes'] / 2**20:.1f} MiB, replay graph (est.) "
+                f"{graph / 2**20:.1f} MiB -> floor {floor / GIB:.4f} GiB"
+            ),
             "",
             "Measured peak for the ratio = peak above baseline + weights (the weights sit in the baseline).",
             "",
@@ -720,13 +736,17 @@ def summary(data: dict, args) -> str:
         lines += [
             f"## Reference time at P={Pr}, G={Gp}",
             "",
-            "reference = one no-grad prompt forward into HF's DynamicCache (SDPA) + G replays (deep-copied cache, "
-            "forward + backward each), measured in its own process (mode `reference`; the issue's 'naive "
-            "capture-and-replay on HF's own cache').",
+            (
+                "reference = one no-grad prompt forward into HF's DynamicCache (SDPA) + G replays (deep-copied cache, "
+                "forward + backward each), measured in its own process (mode `reference`; the issue's 'naive "
+                "capture-and-replay on HF's own cache')."
+            ),
             "",
-            f"- reference: prompt forward {ref['phases_s']['prompt_forward']:.2f} s + {Gp} replays "
-            f"{ref['phases_s']['replays']:.2f} s = {ref_t:.2f} s; peak {gib(ref['peak_bytes']):.3f} GiB; "
-            f"grad norm {ref['grad_norm']:.6f}",
+            (
+                f"- reference: prompt forward {ref['phases_s']['prompt_forward']:.2f} s + {Gp} replays "
+                f"{ref['phases_s']['replays']:.2f} s = {ref_t:.2f} s; peak {gib(ref['peak_bytes']):.3f} GiB; "
+                f"grad norm {ref['grad_norm']:.6f}"
+            ),
         ]
         for mode in ("longstraw-detach", "longstraw-exact"):
             r = next(iter(ok_rows(defaults, mode=mode, P=Pr, G=Gp)), None)
@@ -748,8 +768,10 @@ def summary(data: dict, args) -> str:
         lines += [
             f"## LongStraw phases at P={Pr}, G={Gp} (its own telemetry, flushed after the call)",
             "",
-            "Peak = the phase's highest sampled RSS minus the pre-update baseline (LongStraw's MemoryMeter resets "
-            "no high-water mark).",
+            (
+                "Peak = the phase's highest sampled RSS minus the pre-update baseline (LongStraw's MemoryMeter resets "
+                "no high-water mark)."
+            ),
             "",
             "| mode | phase | time s | peak above baseline GiB |",
             "| --- | --- | --- | --- |",
@@ -789,8 +811,10 @@ def summary(data: dict, args) -> str:
         lines += [
             "## Capacity",
             "",
-            "Longest P completed within the RSS budget (watchdog on the child's whole RSS) and the time cap; "
-            "doubling, then bisection.",
+            (
+                "Longest P completed within the RSS budget (watchdog on the child's whole RSS) and the time cap; "
+                "doubling, then bisection."
+            ),
             "",
             "| mode | budget GiB | G | time cap s | longest P ok | first P failed | failure | probes |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",

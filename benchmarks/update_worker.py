@@ -157,23 +157,23 @@ def build_trainer(args, model, tokenizer, output_dir):
     G, R = args.group_size, args.completion_length
     longstraw = args.mode.startswith("longstraw")
     serialized = args.mode == "stock-serialized"
-    fields = dict(
-        output_dir=output_dir,
-        per_device_train_batch_size=1 if serialized else G,
-        gradient_accumulation_steps=G if serialized else 1,
-        num_generations=G,
-        max_completion_length=R,
-        report_to="none",
-        use_cpu=args.device == "cpu",
-        logging_steps=1,
-        save_strategy="no",
-        disable_dropout=True,
-        seed=args.seed,
-        bf16=False,
-        beta=args.beta,
-        loss_type=args.loss_type,
-        gradient_checkpointing=args.gc,
-    )
+    fields = {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": 1 if serialized else G,
+        "gradient_accumulation_steps": G if serialized else 1,
+        "num_generations": G,
+        "max_completion_length": R,
+        "report_to": "none",
+        "use_cpu": args.device == "cpu",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "disable_dropout": True,
+        "seed": args.seed,
+        "bf16": False,
+        "beta": args.beta,
+        "loss_type": args.loss_type,
+        "gradient_checkpointing": args.gc,
+    }
     if longstraw:
         fields.update(
             prompt_gradient=args.mode.split("-", 1)[1],
@@ -481,7 +481,7 @@ def run(args) -> dict:
             update_peak_bytes=update_peak - baseline,
             optimizer_peak_bytes=optimizer_peak - baseline,
             peak_absolute_bytes=peak,
-            durable_state_bytes=int(round(state_gib * GIB)) if state_gib is not None else 0,
+            durable_state_bytes=round(state_gib * GIB) if state_gib is not None else 0,
             phases_s=phases,
             telemetry=telemetry,
         )

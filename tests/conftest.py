@@ -31,19 +31,19 @@ def prompt_dataset():
 
 
 def trainer_args(config_class, tmp_path, **overrides):
-    fields = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=2 * GROUP_SIZE,
-        num_generations=GROUP_SIZE,
-        max_completion_length=6,
-        report_to="none",
-        use_cpu=True,
-        logging_steps=1,
-        save_strategy="no",
-        disable_dropout=True,
-        seed=0,
-        bf16=False,  # transformers defaults to bf16 autocast even on CPU; parity is checked in full precision
-    )
+    fields = {
+        "output_dir": str(tmp_path),
+        "per_device_train_batch_size": 2 * GROUP_SIZE,
+        "num_generations": GROUP_SIZE,
+        "max_completion_length": 6,
+        "report_to": "none",
+        "use_cpu": True,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "disable_dropout": True,
+        "seed": 0,
+        "bf16": False,  # transformers defaults to bf16 autocast even on CPU; parity is checked in full precision
+    }
     fields.update(overrides)
     return config_class(**fields)
 
@@ -104,7 +104,7 @@ def add_old_and_ref_logps(trainer, inputs, seed=1, spread=0.5):
         current, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
             trainer, trainer.model, ids, mask, inputs["completion_ids"].shape[1]
         )
-    noise = lambda: spread * torch.randn(current.shape, generator=generator)  # noqa: E731
+    noise = lambda: spread * torch.randn(current.shape, generator=generator)
     inputs = dict(inputs)
     inputs["old_per_token_logps"] = (current + noise()) * inputs["completion_mask"]
     inputs["ref_per_token_logps"] = (current + noise()) * inputs["completion_mask"]

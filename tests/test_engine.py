@@ -84,7 +84,7 @@ def test_state_holds_kv_pages_of_all_but_the_last_prompt_token():
 
 
 @pytest.mark.parametrize(
-    "optimizer", [dict(name="SGD"), dict(name="AdamW", foreach=False), dict(name="AdamW", fused=True)]
+    "optimizer", [{"name": "SGD"}, {"name": "AdamW", "foreach": False}, {"name": "AdamW", "fused": True}]
 )
 def test_stale_state_is_refused(optimizer):
     """Fused AdamW (TRL's default) writes the weights without moving their autograd version counters."""

@@ -23,7 +23,13 @@ PAD, EOS = 0, 1
 
 
 def generation_config(**settings) -> GenerationConfig:
-    fields = dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD, eos_token_id=[EOS], disable_compile=True)
+    fields = {
+        "max_new_tokens": 10,
+        "do_sample": False,
+        "pad_token_id": PAD,
+        "eos_token_id": [EOS],
+        "disable_compile": True,
+    }
     fields.update(settings)
     return GenerationConfig(**fields)
 

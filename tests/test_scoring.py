@@ -29,7 +29,7 @@ def scored_batch(trainer, dataset):
 @pytest.mark.parametrize("use_peft", [False, True], ids=["ref_model", "peft_adapter_disabled"])
 def test_old_and_reference_logps_equal_stock(use_peft, fresh_model, tokenizer, prompt_dataset, tmp_path):
     model = fresh_model()
-    settings = dict(beta=0.04, steps_per_generation=2)  # misaligned generation: old log-probs are scored too
+    settings = {"beta": 0.04, "steps_per_generation": 2}  # misaligned generation: old log-probs are scored too
     if use_peft:
         settings["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj"])
     trainers = []

@@ -52,11 +52,11 @@ def test_exact_mode_float64(fresh_model, tokenizer, prompt_dataset, tmp_path):
 @pytest.mark.parametrize(
     "setting",
     [
-        dict(importance_sampling_level="sequence"),
-        dict(top_entropy_quantile=0.5),
-        dict(entropy_coef=0.05),
-        dict(off_policy_mask_threshold=0.1),
-        dict(delta=1.1),
+        {"importance_sampling_level": "sequence"},
+        {"top_entropy_quantile": 0.5},
+        {"entropy_coef": 0.05},
+        {"off_policy_mask_threshold": 0.1},
+        {"delta": 1.1},
     ],
 )
 def test_exact_mode_matches_stock_with_loss_options(setting, fresh_model, tokenizer, prompt_dataset, tmp_path):

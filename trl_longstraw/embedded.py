@@ -34,74 +34,79 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 # Tiny configs per family (random weights; attention dropout 0 everywhere). MoE families set their
 # `router_aux_loss_coef` to 0: GRPOTrainer would otherwise add the load-balancing loss, which LongStraw refuses.
-_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, router_aux_loss_coef=0.0)
-_GATED_DELTANET = dict(
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-)
-_MLA = dict(
-    num_key_value_heads=4,
-    q_lora_rank=32,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=16,
-    v_head_dim=16,
-    head_dim=None,
-    first_k_dense_replace=1,
-    moe_intermediate_size=32,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    n_group=1,
-    topk_group=1,
-)
-_DSA = dict(index_topk=64, index_n_heads=4, index_head_dim=16)
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "router_aux_loss_coef": 0.0}
+_GATED_DELTANET = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
+_MLA = {
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "head_dim": None,
+    "first_k_dense_replace": 1,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+}
+_DSA = {"index_topk": 64, "index_n_heads": 4, "index_head_dim": 16}
 
 # family name -> (transformers model_type, overrides of the common tiny shape, what the family exercises)
 FAMILIES: dict[str, tuple[str, dict, str]] = {
     "qwen3": ("qwen3", {}, "GQA, QK-norm"),
     "llama": ("llama", {}, "GQA"),
-    "mistral": ("mistral", dict(num_key_value_heads=1, sliding_window=6), "MQA, sliding window on every layer"),
+    "mistral": ("mistral", {"num_key_value_heads": 1, "sliding_window": 6}, "MQA, sliding window on every layer"),
     "qwen3_moe": ("qwen3_moe", _MOE, "GQA + MoE"),
     "mixtral": (
         "mixtral",
-        dict(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0, sliding_window=None),
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0, "sliding_window": None},
         "GQA + MoE",
     ),
-    "phi3": ("phi3", dict(pad_token_id=0), "fused QKV projection"),
+    "phi3": ("phi3", {"pad_token_id": 0}, "fused QKV projection"),
     "olmo3": (
         "olmo3",
-        dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+        {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},
         "sliding + full layers, QK-norm",
     ),
     "gemma3_text": (
         "gemma3_text",
-        dict(
-            num_hidden_layers=3,
-            sliding_window=6,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            query_pre_attn_scalar=16,
-        ),
+        {
+            "num_hidden_layers": 3,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "query_pre_attn_scalar": 16,
+        },
         "sliding + global layers, per-type RoPE",
     ),
     "gemma2": (
         "gemma2",
-        dict(sliding_window=6, query_pre_attn_scalar=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+        {
+            "sliding_window": 6,
+            "query_pre_attn_scalar": 16,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0,
+        },
         "attention logit soft-capping, sliding + global",
     ),
     "gpt_oss": (
         "gpt_oss",
-        dict(
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            router_aux_loss_coef=0.0,
-            sliding_window=6,
-            layer_types=["sliding_attention", "full_attention"],
-            max_position_embeddings=131072,  # what its default YaRN scaling (32x of 4096) implies
-        ),
+        {
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "router_aux_loss_coef": 0.0,
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "max_position_embeddings": 131072,  # what its default YaRN scaling (32x of 4096) implies
+        },
         "attention sinks, alternating sliding window, MoE",
     ),
     "qwen3_5": (
@@ -127,21 +132,21 @@ FAMILIES: dict[str, tuple[str, dict, str]] = {
     ),
     "nemotron_h": (
         "nemotron_h",
-        dict(
-            num_hidden_layers=4,
-            layers_block_type=["mamba", "attention", "mamba", "moe"],
-            ssm_state_size=16,
-            mamba_num_heads=4,
-            mamba_head_dim=16,
-            n_groups=2,
-            conv_kernel=4,
-            expand=1,
-            chunk_size=8,
-            n_routed_experts=4,
-            moe_intermediate_size=32,
-            moe_shared_expert_intermediate_size=32,
-            num_experts_per_tok=2,
-        ),
+        {
+            "num_hidden_layers": 4,
+            "layers_block_type": ["mamba", "attention", "mamba", "moe"],
+            "ssm_state_size": 16,
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "n_groups": 2,
+            "conv_kernel": 4,
+            "expand": 1,
+            "chunk_size": 8,
+            "n_routed_experts": 4,
+            "moe_intermediate_size": 32,
+            "moe_shared_expert_intermediate_size": 32,
+            "num_experts_per_tok": 2,
+        },
         "Mamba2 + attention + MoE blocks",
     ),
     "deepseek_v3": ("deepseek_v3", dict(num_hidden_layers=3, **_MLA), "MLA + MoE"),
@@ -159,20 +164,20 @@ def tiny_config(family: str = "qwen3", vocab_size: int = 102, **overrides):
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}: the embedded configs are {', '.join(FAMILIES)}")
     model_type, family_overrides, _ = FAMILIES[family]
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=32768,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
+    common = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 32768,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": None,
+        "tie_word_embeddings": False,
+    }
     kwargs = {**common, **family_overrides, **overrides}
     if kwargs.get("head_dim", 0) is None:
         del kwargs["head_dim"]
