@@ -165,6 +165,35 @@ def test_capture_and_recompute_skip_the_final_layers_attention(monkeypatch, fami
     )
 
 
+def test_capture_and_recompute_skip_the_final_layers_dsa_selection(monkeypatch):
+    """The final layer's DSA top-k over the prompt would only feed its skipped attention: a capture and a recompute
+    keep its indexer keys but select nothing there; a replay selects at every index-computing layer."""
+    from trl_longstraw.state import dsa
+
+    model = prepared(build_model("glm_moe_dsa"))
+    prompt, completions, lengths = case()
+    selected = []
+    select = dsa.IndexerKeys.select
+
+    def recording(self, access, *args, **kwargs):
+        selected.append((access.mode, self.layer_idx))
+        return select(self, access, *args, **kwargs)
+
+    monkeypatch.setattr(dsa.IndexerKeys, "select", recording)
+    engine = LongStrawEngine(8, 4, prompt_gradient="exact")
+    state = engine.capture(model, prompt, first_position=0)
+    indexers = {layer.layer_idx: layer for layer in state.layers if isinstance(layer, dsa.IndexerKeys)}
+    final = model.config.num_hidden_layers - 1
+    assert final in indexers and indexers[final].keys.length == prompt.numel() - 1
+    logps, _ = engine.replay(model, state.requires_grad_(), prompt[-1:], completions[0], int(lengths[0]))
+    logps.sum().backward()
+    engine.backward_prompt(model, state, prompt)
+    earlier = set(indexers) - {final}
+    assert set(selected) == (
+        {("capture", i) for i in earlier} | {("read", i) for i in indexers} | {("recompute", i) for i in earlier}
+    )
+
+
 def test_a_model_with_another_attention_implementation_is_refused_before_capture():
     model = build_model("qwen3")
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))

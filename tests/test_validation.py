@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoConfig, MambaConfig, MambaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, MambaConfig, MambaForCausalLM
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
 from trl_longstraw.architectures import UnsupportedModelError, check_supported
@@ -176,6 +176,45 @@ def test_attention_that_bypasses_the_attention_interface_is_refused():
         UnsupportedModelError, match="Layer 0 .*Handwritten does not call transformers' AttentionInterface"
     ):
         check_supported(model)
+
+
+def looped_model(loops: int):
+    """A tiny Dory: one input layer, two recurrent layers run `loops` times per forward, one output layer."""
+    config = AutoConfig.for_model(
+        "dory",
+        vocab_size=102,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        n_input_layers=1,
+        n_output_layers=1,
+        n_recurrent_loops=loops,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        attention_dropout=0.0,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_a_model_that_loops_over_its_layers_is_refused_by_its_config():
+    check_supported(looped_model(1).config)
+    with pytest.raises(UnsupportedModelError, match="n_recurrent_loops=2: .*Set n_recurrent_loops=1"):
+        check_supported(looped_model(2).config)
+
+
+def test_a_layer_run_twice_in_one_capture_forward_is_refused(monkeypatch):
+    """A looped model the config check does not know (say, remote code) is refused at its first capture."""
+    from trl_longstraw.engine import LongStrawEngine, prepare_model
+    from trl_longstraw.state import registry
+
+    monkeypatch.setattr(registry, "check_each_layer_runs_once", lambda config: None)
+    model = prepare_model(looped_model(2))
+    with pytest.raises(UnsupportedModelError, match=r"Layer 1 \(DoryAttention\) ran more than once in one forward"):
+        LongStrawEngine(8, 4).capture(model, torch.arange(2, 20), first_position=0)
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ ratio; `capture_attention_pairs` computes it). The capture runs shard by shard i
 this imbalance costs time only on the ranks that serve, never memory.
 
 Capture (`ContextParallelEngine.capture`): shard by shard, in rank order. The owner of the current shard runs its
-chunks through the model; at each attention layer it broadcasts the chunk's queries (one chunk: `prefill_chunk_size`
+chunks through the model; at each attention layer but the last (whose attention a capture skips:
+`StateAccess.output_unread`) it broadcasts the chunk's queries (one chunk: `prefill_chunk_size`
 tokens) and every rank computes the partial attention of those queries over its own pages (the owner over its pages
 so far plus the chunk's own keys, causal; a rank whose shard is not captured yet contributes `lse = -inf`); the
 partials are merged on every rank. Meanwhile the other ranks run `ShardedPromptState.serve`, the matching loop, until

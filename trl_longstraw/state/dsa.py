@@ -15,7 +15,7 @@ host memory where the state lives there), each block's top-k candidates merged w
 the whole prefix is always among the blocks' top-k candidates, so this is exact; exactly tied index scores may be
 broken differently than one `topk` over everything (as between two chunkings). The transient is at most the scores
 of `[tokens, index_heads, attention_chunk_size]`, taken as fewer query rows against wider key blocks (up to
-`INDEXER_KEYS_PER_CALL`), because each call reruns the indexer's query side. Under context parallelism each rank
+`INDEXER_KEYS_PER_CALL`, or `attention_chunk_size` if larger), because each call reruns the indexer's query side. Under context parallelism each rank
 does this over its shard and the candidates are merged across ranks (`context_parallel.py`).
 """
 
@@ -32,9 +32,9 @@ from .registry import LayerAccount, LayerState, register_state_kind
 
 _TOPK = (torch.Tensor.topk, torch.topk)
 
-# The most prompt keys one indexer call over the prompt scores. Every call runs the indexer's query side again (its
-# projections of the call's tokens: `wq_b`, `weights_proj`, `wk`, RoPE), so a call covers as many keys as the score
-# transient allows (`IndexerKeys.prompt_candidates`). GLM-5 (32 index heads of 128, q_lora_rank 2,048, hidden 6,144):
+# The most prompt keys one indexer call over the prompt scores (or `attention_chunk_size`, if larger). Every call runs
+# the indexer's query side again (its projections of the call's tokens: `wq_b`, `weights_proj`, `wk`, RoPE), so a
+# call covers as many keys as the score transient allows (`IndexerKeys.prompt_candidates`). GLM-5 (32 index heads of 128, q_lora_rank 2,048, hidden 6,144):
 # about 9.4M multiply-adds of query side per token and call against 4.1K of scoring per key, i.e. 28% on top of the
 # scoring with calls of 8,192 keys, 3.5% with 65,536, whose fp32 key copy is 32 MiB.
 INDEXER_KEYS_PER_CALL = 65_536
@@ -185,8 +185,9 @@ class IndexerKeys(LayerState):
 
         The indexer is called over blocks of query rows x blocks of keys whose scores never outnumber those of all
         the call's rows against `block` keys (the `[tokens, index_heads, block]` bound), with the keys as wide as
-        that allows up to `INDEXER_KEYS_PER_CALL`: fewer rows per call, fewer calls per row, and so fewer reruns of
-        the indexer's query side. A decoding step (one row) keeps blocks of `block` keys.
+        that allows up to `INDEXER_KEYS_PER_CALL` (or `block`, if larger): fewer rows per call, fewer calls per row,
+        and so fewer reruns of the indexer's query side. A decoding step (one row) keeps blocks of `block` keys.
+        Row blocks are balanced (no one-row remainder call).
         """
         if limit == 0:
             return best
@@ -194,6 +195,7 @@ class IndexerKeys(LayerState):
         tokens = hidden.shape[1]
         keys_per_call = min(limit, max(block, min(INDEXER_KEYS_PER_CALL, tokens * block)))
         rows = min(tokens, max(1, tokens * block // keys_per_call))
+        rows = -(-tokens // -(-tokens // rows))  # as many row blocks as that needs, evened out
         row_blocks = [(start, min(start + rows, tokens)) for start in range(0, tokens, rows)]
         bests = [None if best is None else (best[0][:, a:b], best[1][:, a:b]) for a, b in row_blocks]
         for start in range(0, limit, keys_per_call):

@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache
 from .dsa import IndexerKeys, IndexerSelection, indexer_call
 from .placement import Placement
 from .recurrent import ConvRecurrentState
-from .registry import LayerPlan, LayerState, PromptGeometry
+from .registry import LayerPlan, LayerState, PromptGeometry, UnsupportedModelError
 from .suffix import Suffix
 
 
@@ -176,8 +176,8 @@ def _indexer_called(module, args, kwargs) -> None:
     _leave_interrupted_selection(module)
     call = indexer_call(module, args, kwargs)
     access = call.get("cache")
-    if not isinstance(access, StateAccess):
-        return
+    if not isinstance(access, StateAccess) or access.output_unread(module.layer_idx):
+        return  # a forward without prompt state, or a selection only the skipped attention would apply
     state, hidden = access.state, call["hidden_states"]
     own = hidden.shape[1] + (access.suffix.length if access.suffix is not None else 0)
     k = min(module.index_topk, access.prefix_length + own)  # as the indexer would over the prompt's and own keys
@@ -240,6 +240,7 @@ class StateAccess(Cache):
         self.suffix = suffix
         self.recorded: dict[LayerState, object] = {}
         self.cache_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.visited: set[int] = set()  # capture: the mixers this forward has run
 
     def own_entries(
         self, owner: LayerState, name: str, values: torch.Tensor, dim: int, window: int | None = None
@@ -263,10 +264,25 @@ class StateAccess(Cache):
         """Whether nothing reads what this forward's tokens attend to at `layer_idx`: the final decoder layer of a
         capture or recompute. Its outputs are the prompt tokens' last hidden states, which no replay reads (a replay
         starts at the last prompt token) and no exact-mode gradient reaches (it flows from the state's tensors). Its
-        state is still written; attention kinds skip the attention itself (1/num_layers of a capture's attention)."""
+        state is still written; attention kinds skip the attention itself, and a DSA indexer the top-k over the
+        prompt that only that attention would apply (none where the final layer has no attention)."""
         return self.mode in ("capture", "recompute") and layer_idx == self.state.final_layer_idx
 
+    def visit(self, mixer: torch.nn.Module) -> None:
+        """A capture writes each mixer's state once per forward; a second write means the model ran that layer twice
+        in one forward (a looped, recurrent-depth model), which one state per layer cannot hold."""
+        if self.mode != "capture":
+            return
+        if id(mixer) in self.visited:
+            raise UnsupportedModelError(
+                f"Layer {getattr(mixer, 'layer_idx', '?')} ({type(mixer).__name__}) ran more than once in one forward "
+                "(a model that loops over some of its layers): LongStraw keeps one prompt state per decoder layer, "
+                "written once. Train this model with GRPOTrainer."
+            )
+        self.visited.add(id(mixer))
+
     def attend(self, module, query, key, value, **features) -> torch.Tensor:
+        self.visit(module)
         return self.state.for_mixer(module).attend(self, query, key, value, **features)
 
     # -- Cache API: attention layers --------------------------------------------------------------------------------
@@ -304,5 +320,7 @@ class StateAccess(Cache):
         return self._recurrent(layer_idx).recurrent_state(self, self.forward_batch_size)
 
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
-        self._recurrent(layer_idx).finish_recurrent(self, recurrent_states)
+        layer = self._recurrent(layer_idx)
+        self.visit(layer.mixer)
+        layer.finish_recurrent(self, recurrent_states)
         return recurrent_states

@@ -183,8 +183,22 @@ def routes_through_attention_interface(mixer_class: type) -> bool:
     return "ALL_ATTENTION_FUNCTIONS" in source or "AttentionInterface" in source
 
 
+def check_each_layer_runs_once(config: PretrainedConfig) -> None:
+    """A prompt state holds one state per decoder layer, written once per capture forward: a model that runs some of
+    its layers several times per forward (recurrent depth) is refused. Known by its config: Dory's
+    `n_recurrent_loops`; any other is caught at its first capture (`StateAccess.visit`)."""
+    loops = getattr(text_config(config), "n_recurrent_loops", None)
+    if loops is not None and loops > 1:
+        raise UnsupportedModelError(
+            f"The model config sets n_recurrent_loops={loops}: its recurrent layers run {loops} times per forward, "
+            "and LongStraw keeps one prompt state per decoder layer, written once. Set n_recurrent_loops=1 or train "
+            "this model with GRPOTrainer."
+        )
+
+
 def plan_layers(model: nn.Module) -> list[LayerPlan]:
     """Map every decoder layer of `model` to its state kinds; raise `UnsupportedModelError` naming what is missing."""
+    check_each_layer_runs_once(model.config)
     plans = []
     layers = decoder_layers(model)
     types = layer_types(model.config)
