@@ -110,7 +110,10 @@ def test_fused_cpu_kernels_agree_with_plain_torch(chunk, sinks):
         assert torch.allclose(fused, plain, atol=2e-5, rtol=1e-4), (fused - plain).abs().max()
 
 
-def test_fused_path_is_taken_for_float32_on_cpu(monkeypatch):
+@pytest.mark.parametrize("chunk", [64, 3])
+def test_fused_path_is_taken_for_float32_on_cpu(monkeypatch, chunk):
+    """Prompt chunks all visible go through the fused kernel, and so do the own keys as one square causal block, even
+    when they outnumber the attention chunk (cut there, their causal pieces would not be square)."""
     calls = []
     kernel = attention._fused_backward_kernel
 
@@ -120,8 +123,8 @@ def test_fused_path_is_taken_for_float32_on_cpu(monkeypatch):
 
     monkeypatch.setattr(attention, "_fused_backward_kernel", counting)
     q, prefix_k, prefix_v, own_k, own_v, _ = inputs(torch.float32)
-    ours(q, prefix_k, prefix_v, own_k, own_v, None, CAUSAL, 64).sum().backward()
-    assert sorted(calls) == [False, True]  # the prompt block (all visible) and the own block (square causal)
+    ours(q, prefix_k, prefix_v, own_k, own_v, None, CAUSAL, chunk).sum().backward()
+    assert sorted(calls) == [False] * -(-PREFIX // chunk) + [True]  # the prompt's chunks, then the own block whole
 
 
 def test_the_cuda_kernel_calls_are_well_formed(monkeypatch):

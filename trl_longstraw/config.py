@@ -45,8 +45,8 @@ class LongStrawGRPOConfig(GRPOConfig):
             `GRPOTrainer`, at the cost of one prompt forward+backward per group and micro-step.
         prefill_chunk_size (`int`, *optional*, defaults to `1024`):
             Prompt tokens per no-grad capture forward (and per exact-mode recompute chunk). The default is measured
-            (README, "Chunk sizes"): at P = 8K on CPU, 1024 against 2048 lowers the exact-mode peak from 0.45 to 0.27
-            GiB and detach's from 0.092 to 0.081 GiB at the same step time. Keep it at most `attention_chunk_size`.
+            (README, "Chunk sizes"): at P = 8K on CPU, 1024 against 2048 lowers the exact-mode peak from 0.465 to
+            0.269 GiB and detach's from 0.091 to 0.081 GiB at the same step time.
         attention_chunk_size (`int`, *optional*, defaults to `4096`):
             Prompt keys per step of the prefix attention.
         prompt_state_device (`str`, *optional*, defaults to `"auto"`):
