@@ -19,28 +19,33 @@ import time
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from trl_longstraw.attention import CAUSAL, chunked_attention, merge_by_lse
+from trl_longstraw.attention import CAUSAL, KeyBlock, attention_over_blocks, merge_by_lse
 
 HEADS, RANK, ROPE, NOPE, VDIM, CHUNK = 16, 512, 64, 128, 128, 2048
 
 
 def absorbed(q_nope, q_rope, pages, kv_b, positions, page_positions):
+    """The library's path: absorbed queries over the latent pages as one shared key block (MLA's value head is narrower
+    than its key head, so these chunks run as plain-torch tiles, like the re-projected chunks below)."""
     w = kv_b.weight.t().view(RANK, HEADS, NOPE + VDIM)
     w_uk, w_uv = w[..., :NOPE], w[..., NOPE:]
     q = torch.cat([torch.einsum("bhtn,khn->bhtk", q_nope, w_uk), q_rope], dim=-1)
-    out, _ = chunked_attention(q, pages, pages[..., :RANK], positions, page_positions, 0.1, CAUSAL, CHUNK)
+    block = (pages, pages[..., :RANK], KeyBlock(page_positions, shared=True))
+    out = attention_over_blocks(q, [block], positions, 0.1, CAUSAL, CHUNK)
     return torch.einsum("bhtk,khv->bhtv", out, w_uv)
 
 
 def reprojected(q_nope, q_rope, pages, kv_b, positions, page_positions):
+    """Per chunk: latent pages expanded to per-head K/V by `kv_b_proj`, attention `(o, lse)` in plain torch (every
+    prefix key is visible to the replayed queries), chunks merged by log-sum-exp."""
     q = torch.cat([q_nope, q_rope], dim=-1)
 
     def chunk_attention(q, latent, rope):
         kv = kv_b(latent).view(-1, HEADS, NOPE + VDIM).transpose(0, 1)
         keys = torch.cat([kv[..., :NOPE], rope.expand(HEADS, -1, -1)], dim=-1)
-        return chunked_attention(
-            q, keys, kv[..., NOPE:], positions, page_positions[: latent.shape[0]], 0.1, CAUSAL, CHUNK
-        )
+        scores = torch.einsum("bhtd,hnd->bhtn", q, keys) * 0.1
+        lse = torch.logsumexp(scores, dim=-1)
+        return torch.einsum("bhtn,hnv->bhtv", torch.exp(scores - lse[..., None]), kv[..., NOPE:]), lse
 
     out = lse = None
     for start in range(0, pages.shape[1], CHUNK):
