@@ -75,6 +75,14 @@ def test_train_and_eval_accumulate_separately():
     assert eval_metrics["longstraw/capture/count"] == 1 and eval_metrics["longstraw/prompt_state_gib"] == 1.0
 
 
+def test_disabled_telemetry_logs_nothing():
+    telemetry = PhaseTelemetry(torch.device("cpu"), enabled=False)
+    with telemetry.phase("capture"):
+        pass
+    telemetry.record_state(1024**3)
+    assert telemetry.flush("train") == {}
+
+
 @pytest.mark.skipif(not HAS_PROC, reason="needs /proc")
 def test_the_update_resets_no_process_wide_counter(fresh_model, tokenizer, prompt_dataset, tmp_path, monkeypatch):
     def refuse(*args, **kwargs):

@@ -56,6 +56,11 @@ class LongStrawGRPOConfig(GRPOConfig):
             with one scale per (64-token page, kv head), and MLA latent pages with one scale per page, half the bytes
             of bf16, dequantised chunk by chunk as read. Detach mode only. Its cost in log-prob error is measured in
             the README.
+        rollout_from_prompt_state (`bool`, *optional*):
+            Generate completions from the captured prompt state (each distinct prompt captured once, its rows decoding
+            together against it) instead of transformers' `generate`. `None` (default): on, except with vLLM or
+            continuous batching, or where the generation settings ask for what it does not implement (a warning says
+            so); `True`: on, and such settings are an error; `False`: TRL's generation.
         context_parallel_size (`int`, *optional*):
             Ranks that share one prompt, each keeping a contiguous shard of its state (see the README's "Context
             parallelism"). The world must be a multiple of it: `world = data parallel x context parallel`. Unset: the
@@ -65,8 +70,9 @@ class LongStrawGRPOConfig(GRPOConfig):
         > Parameters that control the LongStraw metrics
 
         log_phase_metrics (`bool`, *optional*, defaults to `True`):
-            Log wall time, peak memory and run count of each phase under `longstraw/` (see the README's "Logged
-            metrics"). Never resets a process-wide counter (CUDA peak stats, the kernel's RSS high-water mark).
+            Log wall time, peak memory and run count of each phase, and the prompt-state size, under `longstraw/` (see
+            the README's "Logged metrics"); `False` logs none of them. Never resets a process-wide counter (CUDA peak
+            stats, the kernel's RSS high-water mark).
         sync_phase_metrics (`bool`, *optional*, defaults to `False`):
             Synchronise the accelerator at each phase boundary so `time_s` is device time. Off by default: CUDA
             kernels run asynchronously, so without it a phase's time is the host time spent issuing its work.
@@ -144,9 +150,10 @@ class LongStrawGRPOConfig(GRPOConfig):
     log_phase_metrics: bool = field(
         default=True,
         metadata={
-            "help": "Log wall time, peak memory and run count of each phase (capture, capture_ref, score, replay, "
-            "prompt_backward, optimizer) and the prompt-state size under 'longstraw/' in the trainer logs, train and "
-            "eval separately. Memory is sampled; no process-wide counter is ever reset."
+            "help": "Log wall time, peak memory and run count of each phase (rollout, capture, capture_ref, score, "
+            "replay, prompt_backward, optimizer) and the prompt-state size under 'longstraw/' in the trainer logs, "
+            "train and eval separately; False logs none of them. Memory is sampled; no process-wide counter is ever "
+            "reset."
         },
     )
     sync_phase_metrics: bool = field(

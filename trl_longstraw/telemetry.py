@@ -175,7 +175,8 @@ class PhaseTelemetry:
                 self._peaks[mode][name] = (max(previous[0], measured[0]), max(previous[1], measured[1]))
 
     def record_state(self, nbytes: int, mode: str = "train") -> None:
-        self._state_bytes[mode] = max(self._state_bytes.get(mode, 0), nbytes)
+        if self.enabled:
+            self._state_bytes[mode] = max(self._state_bytes.get(mode, 0), nbytes)
 
     def flush(self, mode: str = "train") -> dict[str, float]:
         """The `mode`'s metrics since its last flush, keyed as the README's "Logged metrics" lists them."""
