@@ -144,13 +144,13 @@ def test_capture_and_recompute_skip_the_final_layers_attention(monkeypatch, fami
     model = prepared(build_model(family, num_hidden_layers=3))
     prompt, completions, lengths = case()
     attended = []
-    attention = kind._attention
+    attend = kind.attend
 
     def recording(self, access, *args, **kwargs):
         attended.append((access.mode, self.layer_idx))
-        return attention(self, access, *args, **kwargs)
+        return attend(self, access, *args, **kwargs)
 
-    monkeypatch.setattr(kind, "_attention", recording)
+    monkeypatch.setattr(kind, "attend", recording)
     engine = LongStrawEngine(8, 4, prompt_gradient="exact")
     state = engine.capture(model, prompt, first_position=0)
     assert all(layer.captured() for layer in state.layers if isinstance(layer, kind))

@@ -569,15 +569,13 @@ class ShardedAttention(ShardedView):
         window = self.visibility(sliding_window).sliding_window  # decoding: the rows' earlier entries first
         own_k = access.own_entries(layer, "key", key.reshape(batch * kv_heads, tokens, -1), dim=1, window=window)
         own_v = access.own_entries(layer, "value", value.reshape(batch * kv_heads, tokens, -1), 1, window)
-        if access.output_unread(layer.layer_idx):  # nothing announced: the serving ranks have nothing to do
-            out = query.new_zeros(*query.shape[:-1], value.shape[-1])
-        else:
-            out = self.sharded_attention(access, query, own_k, own_v, scaling, sliding_window, softcap, sinks)
-        if access.mode == "capture":  # a windowed layer keeps what later tokens read, as in one process
-            layer._append(key[0], value[0], self.visibility(sliding_window))
-        elif access.mode == "recompute":
-            access.recorded[layer] = (key[0], value[0])
+        out = self.sharded_attention(access, query, own_k, own_v, scaling, sliding_window, softcap, sinks)
+        self.keep(access, key, value, sliding_window)
         return out
+
+    def keep(self, access, key, value, sliding_window=None, **_) -> None:
+        # the view's visibility: a chunked layer's chunks count from the whole prompt's start, not the shard's
+        self.layer.keep(access, key, value, visibility=self.visibility(sliding_window))
 
 
 class ShardedLatentAttention(ShardedView):
@@ -605,24 +603,17 @@ class ShardedLatentAttention(ShardedView):
     def attend(self, access, query, key, value, scaling, indices=None, **_):
         layer = self.layer
         module = layer.mixer
-        latent, rope_key = access.cache_inputs[layer.layer_idx]
-        own_keys = torch.cat([latent, rope_key], dim=-1)[:, 0]  # [batch, tokens, rank + rope]
-        own_keys = access.own_entries(layer, "latent", own_keys, dim=1)  # decoding: the rows' earlier latents first
+        own_keys = access.own_entries(layer, "latent", layer.own_latents(access), dim=1)  # decoding: earlier first
         rank = module.kv_lora_rank
-        if access.output_unread(layer.layer_idx):
-            out = query.new_zeros(*query.shape[:-1], module.v_head_dim)
-        else:
-            absorbed, values = absorb(module, query)
-            out = values(
-                self.sharded_attention(
-                    access, absorbed, own_keys, own_keys[..., :rank], scaling, None, None, None, indices
-                )
-            )
-        if access.mode == "capture":
-            layer.pages.append(own_keys[:1])
-        elif access.mode == "recompute":
-            access.recorded[layer] = own_keys[0]
-        return out
+        absorbed, values = absorb(module, query)
+        out = self.sharded_attention(
+            access, absorbed, own_keys, own_keys[..., :rank], scaling, None, None, None, indices
+        )
+        layer.keep(access, key, value, latents=own_keys)
+        return values(out)
+
+    def keep(self, access, key, value, **_) -> None:
+        self.layer.keep(access, key, value)
 
 
 class ShardedPromptState(PromptState):

@@ -98,20 +98,9 @@ class AttentionPages(LayerState):
         `query [batch, heads, tokens, d]`, `key/value [batch, kv_heads, tokens, d]` are this forward's own tokens
         (decoding: preceded by the rows' earlier decoded tokens, kept in the access's suffix).
         """
-        visibility = self.visibility(sliding_window)
-        if access.output_unread(self.layer_idx):
-            out = query.new_zeros(*query.shape[:-1], value.shape[-1])
-        else:
-            out = self._attention(access, query, key, value, scaling, visibility, sinks, softcap)
-        if access.mode == "capture":
-            self._append(key[0], value[0], visibility)
-        elif access.mode == "recompute":
-            access.recorded[self] = (key[0], value[0])
-        return out
-
-    def _attention(self, access, query, key, value, scaling, visibility, sinks, softcap) -> torch.Tensor:
         batch, kv_heads, tokens, _ = key.shape
         positions = access.query_positions
+        visibility = self.visibility(sliding_window)
         # Pages hold every captured token (or the ones a window/chunk still sees): all are readable except while the
         # exact recompute of a chunk reads only the pages before it.
         limit = access.prefix_length if access.mode == "recompute" else self.length
@@ -131,7 +120,7 @@ class AttentionPages(LayerState):
         own_keys = access.own_entries(self, "key", key.reshape(batch * kv_heads, tokens, -1), dim=1, window=window)
         own_values = access.own_entries(self, "value", value.reshape(batch * kv_heads, tokens, -1), 1, window)
         blocks.append((own_keys, own_values, KeyBlock(access.own_positions(own_keys.shape[1]), shared=False)))
-        return attention_over_blocks(
+        out = attention_over_blocks(
             query,
             blocks,
             positions,
@@ -141,6 +130,16 @@ class AttentionPages(LayerState):
             softcap=softcap,
             sinks=sinks,
         )
+        self.keep(access, key, value, visibility=visibility)
+        return out
+
+    def keep(self, access, key, value, sliding_window=None, visibility: Visibility | None = None, **_) -> None:
+        """This forward's own entries: appended to the pages by a capture (a windowed layer keeps what later tokens
+        read), recorded with their graph by a recompute; nothing otherwise."""
+        if access.mode == "capture":
+            self._append(key[0], value[0], visibility or self.visibility(sliding_window))
+        elif access.mode == "recompute":
+            access.recorded[self] = (key[0], value[0])
 
     def _dequantizer(self, dtype: torch.dtype):
         """fp8 pages: each chunk's keys and values in `dtype`, with their pages' scales, as attention reads them."""

@@ -15,8 +15,9 @@ host memory where the state lives there), each block's top-k candidates merged w
 the whole prefix is always among the blocks' top-k candidates, so this is exact; exactly tied index scores may be
 broken differently than one `topk` over everything (as between two chunkings). The transient is at most the scores
 of `[tokens, index_heads, attention_chunk_size]`, taken as fewer query rows against wider key blocks (up to
-`INDEXER_KEYS_PER_CALL`, or `attention_chunk_size` if larger), because each call reruns the indexer's query side. Under context parallelism each rank
-does this over its shard and the candidates are merged across ranks (`context_parallel.py`).
+`INDEXER_KEYS_PER_CALL`, or `attention_chunk_size` if larger), because each call reruns the indexer's query side.
+Under context parallelism each rank does this over its shard and the candidates are merged across ranks
+(`context_parallel.py`).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ _TOPK = (torch.Tensor.topk, torch.topk)
 
 # The most prompt keys one indexer call over the prompt scores (or `attention_chunk_size`, if larger). Every call runs
 # the indexer's query side again (its projections of the call's tokens: `wq_b`, `weights_proj`, `wk`, RoPE), so a
-# call covers as many keys as the score transient allows (`IndexerKeys.prompt_candidates`). GLM-5 (32 index heads of 128, q_lora_rank 2,048, hidden 6,144):
-# about 9.4M multiply-adds of query side per token and call against 4.1K of scoring per key, i.e. 28% on top of the
-# scoring with calls of 8,192 keys, 3.5% with 65,536, whose fp32 key copy is 32 MiB.
+# call covers as many keys as the score transient allows (`IndexerKeys.prompt_candidates`). GLM-5 (32 index heads
+# of 128, q_lora_rank 2,048, hidden 6,144): about 9.4M multiply-adds of query side per token and call against 4.1K
+# of scoring per key, i.e. 28% on top of the scoring with calls of 8,192 keys, 3.5% with 65,536, whose fp32 key
+# copy is 32 MiB.
 INDEXER_KEYS_PER_CALL = 65_536
 
 

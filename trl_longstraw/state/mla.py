@@ -103,21 +103,7 @@ class LatentPages(LayerState):
     def attend(self, access, query, key, value, scaling, indices=None, **_):
         """Absorbed MLA of this forward's tokens over the latent pages and over themselves, as one softmax."""
         module = self.mixer
-        latent, rope_key = access.cache_inputs[self.layer_idx]  # [batch, 1, tokens, rank], [batch, 1, tokens, rope]
-        own_keys = torch.cat([latent, rope_key], dim=-1)[:, 0]  # [batch, tokens, rank + rope]: one set per row
-        own_keys = access.own_entries(self, "latent", own_keys, dim=1)  # decoding: the rows' earlier latents first
-        if access.output_unread(self.layer_idx):
-            out = query.new_zeros(*query.shape[:-1], module.v_head_dim)
-        else:
-            out = self._attention(access, query, own_keys, scaling, indices)
-        if access.mode == "capture":
-            self.pages.append(own_keys[:1])
-        elif access.mode == "recompute":
-            access.recorded[self] = own_keys[0]
-        return out
-
-    def _attention(self, access, query, own_keys, scaling, indices) -> torch.Tensor:
-        module = self.mixer
+        own_keys = access.own_entries(self, "latent", self.own_latents(access), dim=1)  # decoding: earlier ones first
         rank = module.kv_lora_rank
         absorbed, values = absorb(module, query)
         positions = access.query_positions
@@ -135,7 +121,24 @@ class LatentPages(LayerState):
         own_positions = access.own_positions(own_keys.shape[1])
         blocks.append((own_keys, own_keys[..., :rank], KeyBlock(own_positions, shared=False, selection=selected)))
         out = attention_over_blocks(absorbed, blocks, positions, scaling, CAUSAL, access.attention_chunk_size)
+        self.keep(access, key, value, latents=own_keys)
         return values(out)
+
+    def own_latents(self, access) -> torch.Tensor:
+        """`[batch, tokens, rank + rope]`: the latents and rope keys this forward's layer handed to the cache."""
+        latent, rope_key = access.cache_inputs[self.layer_idx]  # [batch, 1, tokens, rank], [batch, 1, tokens, rope]
+        return torch.cat([latent, rope_key], dim=-1)[:, 0]
+
+    def keep(self, access, key, value, latents: torch.Tensor | None = None, **_) -> None:
+        """This forward's own latents (`own_latents`, unless given): appended to the pages by a capture, recorded
+        with their graph by a recompute; nothing otherwise."""
+        if access.mode not in ("capture", "recompute"):
+            return
+        latents = self.own_latents(access) if latents is None else latents
+        if access.mode == "capture":
+            self.pages.append(latents[:1])
+        else:
+            access.recorded[self] = latents[0]
 
     def dequantizer(self, dtype: torch.dtype):
         """fp8 pages: each chunk of latents (keys) in `dtype`, with their pages' scales (one per 64-token page), and

@@ -282,8 +282,14 @@ class StateAccess(Cache):
         self.visited.add(id(mixer))
 
     def attend(self, module, query, key, value, **features) -> torch.Tensor:
+        """The mixer's attention over the prompt state and this forward's own keys (`[batch, heads, tokens, dv]`),
+        its own entries kept as the mode says; where nothing reads the output (`output_unread`), only kept."""
         self.visit(module)
-        return self.state.for_mixer(module).attend(self, query, key, value, **features)
+        target = self.state.for_mixer(module)
+        if self.output_unread(module.layer_idx):  # under CP nothing is announced: the serving ranks have no work
+            target.keep(self, key, value, **features)
+            return query.new_zeros(*query.shape[:-1], value.shape[-1])
+        return target.attend(self, query, key, value, **features)
 
     # -- Cache API: attention layers --------------------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
