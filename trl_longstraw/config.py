@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+from transformers.utils import strtobool
 from trl import GRPOConfig
 
 PROMPT_GRADIENT_MODES = ("detach", "exact")
@@ -13,9 +14,8 @@ PROMPT_STATE_DTYPES = ("auto", "float8_e4m3fn")
 
 
 def env_flag(name: str) -> bool:
-    """An `accelerate launch` flag exported to the process (`ACCELERATE_USE_*`), true as transformers' `strtobool`
-    reads it ("1", "true", "yes", ...)."""
-    return os.environ.get(name, "false").lower() in ("1", "y", "yes", "t", "true", "on")
+    """An `accelerate launch` flag exported to the process (`ACCELERATE_USE_*`), read as transformers reads it."""
+    return bool(strtobool(os.environ.get(name, "false")))
 
 
 def accelerate_context_parallel_size(parallelism_config) -> int | None:
