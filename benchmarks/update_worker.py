@@ -173,6 +173,7 @@ def build_trainer(args, model, tokenizer, output_dir):
         "beta": args.beta,
         "loss_type": args.loss_type,
         "gradient_checkpointing": args.gc,
+        "router_aux_loss_coef": args.router_aux_loss_coef,
     }
     if longstraw:
         fields.update(
@@ -304,6 +305,12 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--beta", type=float, default=0.0)
     parser.add_argument("--loss-type", default="dapo")
+    parser.add_argument(
+        "--router-aux-loss-coef",
+        type=float,
+        default=None,
+        help="GRPOConfig's router_aux_loss_coef (MoE load-balancing loss; default: the model config's, as TRL)",
+    )
     parser.add_argument("--gradient-checkpointing", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--prefill-chunk-size", type=int, default=2048)
     parser.add_argument("--attention-chunk-size", type=int, default=4096)
@@ -343,6 +350,7 @@ def run(args) -> dict:
         "gradient_checkpointing": args.gc,
         "beta": args.beta,
         "loss_type": args.loss_type,
+        "router_aux_loss_coef": args.router_aux_loss_coef,
         "device": str(device),
         "torch_threads": torch.get_num_threads(),
     }

@@ -4,7 +4,7 @@
 The CP group draws the rows one process draws (`SharedRowsSampler`: a generation batch of one prompt, from the same
 seed), so the two runs must take the same optimizer step; each rank also reports the first rows a fresh dataloader
 hands it, which must be the same on both ranks, and then evaluates: the CP group must evaluate every eval prompt once
-per member, as one process does.
+per member, as one process does. A MoE family with an expert count trains with TRL's load-balancing loss.
 """
 
 import sys
@@ -48,6 +48,7 @@ def step(prompt_gradient: str, context_parallel_size: int, family: str) -> dict:
         prefill_chunk_size=8,
         attention_chunk_size=8,
         context_parallel_size=context_parallel_size,
+        router_aux_loss_coef=0.5 if family == "qwen3_moe" else None,
     )
     model = build_model(family, seed=0)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -66,6 +67,8 @@ def step(prompt_gradient: str, context_parallel_size: int, family: str) -> dict:
     return {
         "eval_prompts": sorted(SEEN_PROMPTS),
         "eval_reward": metrics["eval_reward"],
+        "eval_aux_loss": metrics.get("eval_aux_loss"),
+        "aux_loss": logged.get("aux_loss"),
         "first_rows": first_rows,
         "update": {name: (p.detach() - initial[name]).clone() for name, p in trainer.model.named_parameters()},
         "loss": logged["loss"],

@@ -9,6 +9,7 @@ import copy
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from trl import GRPOTrainer
 
 from trl_longstraw import LongStrawGRPOTrainer
@@ -36,10 +37,14 @@ def replayable_copy(cache):
 
 
 class DetachedReferenceTrainer(GRPOTrainer):
-    """Prompt cached by HF under no_grad, each completion replayed on a deep copy of the cache."""
+    """Prompt cached by HF under no_grad, each completion replayed on a deep copy of the cache. With the MoE
+    load-balancing loss, transformers' `load_balancing_loss_func` over every row's tokens: the prompt's router logits
+    from the no-grad prefill, the rest from a backbone forward of the whole completion under autograd."""
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, **kwargs):
-        rows_logps, rows_entropies = [], []
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, compute_aux_loss=False, **kwargs
+    ):
+        rows_logps, rows_entropies, router_logits, routed = [], [], [], []
         for ids, mask in zip(input_ids, attention_mask, strict=True):
             prompt_mask = mask[:-logits_to_keep].bool()
             first = int((~prompt_mask).sum())
@@ -49,12 +54,22 @@ class DetachedReferenceTrainer(GRPOTrainer):
             positions = torch.arange(first, first + prompt.numel() + logits_to_keep)
             cache = DynamicCache(config=model.config)
             with torch.no_grad():
-                model.model(
+                prefill = model.model(
                     input_ids=prompt[None, :-1],
                     position_ids=positions[None, : prompt.numel() - 1],
                     cache=cache,
                     use_cache=True,
+                    **({"output_router_logits": True} if compute_aux_loss else {}),
                 )
+            if compute_aux_loss:  # the row's prompt, then its last prompt token and whole completion
+                whole = model.model(
+                    input_ids=torch.cat([prompt[-1:], completion])[None],
+                    position_ids=positions[None, prompt.numel() - 1 :],
+                    cache=replayable_copy(cache),
+                    output_router_logits=True,
+                )
+                router_logits.append([torch.cat(pair) for pair in zip(prefill.router_logits, whole.router_logits)])
+                routed.append(torch.cat([torch.ones(prompt.numel()), mask[-logits_to_keep:].float()]))
             replay = torch.cat([prompt[-1:], completion[:-1]])
             labels = completion.masked_fill(torch.arange(logits_to_keep) >= length, -100)
             out = model(
@@ -66,7 +81,16 @@ class DetachedReferenceTrainer(GRPOTrainer):
             )
             rows_logps.append(out.log_probs[0])
             rows_entropies.append(out.entropy[0])
-        return torch.stack(rows_logps), torch.stack(rows_entropies), None
+        aux_loss = None
+        if compute_aux_loss:
+            config = model.config.get_text_config()
+            aux_loss = load_balancing_loss_func(
+                tuple(torch.cat(layer) for layer in zip(*router_logits)),
+                config.num_experts,
+                config.num_experts_per_tok,
+                torch.cat(routed),
+            )
+        return torch.stack(rows_logps), torch.stack(rows_entropies), aux_loss
 
 
 def run_pair(

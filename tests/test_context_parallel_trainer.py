@@ -19,7 +19,8 @@ WORKER = os.path.join(os.path.dirname(__file__), "context_parallel_trainer_worke
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3", "glm_moe_dsa"])  # dense; MLA + DSA with IndexShare + MoE
+# dense; MLA + DSA with IndexShare + MoE; MoE with the load-balancing loss (its prompt sums add up across the ranks)
+@pytest.mark.parametrize("family", ["qwen3", "glm_moe_dsa", "qwen3_moe"])
 def test_two_context_parallel_ranks_take_the_single_process_step(tmp_path, family):
     env = dict(os.environ, PYTHONPATH=os.getcwd(), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
@@ -50,6 +51,10 @@ def test_two_context_parallel_ranks_take_the_single_process_step(tmp_path, famil
             assert got[mode]["rollouts"] == want["rollouts"] == 1  # decoded from the (sharded) prompt state
             assert got[mode]["eval_prompts"] == want["eval_prompts"]  # every eval prompt, num_generations times
             assert got[mode]["eval_reward"] == pytest.approx(want["eval_reward"])
+            for key in ("aux_loss", "eval_aux_loss"):
+                assert (got[mode][key] is None) == (want[key] is None) == (family != "qwen3_moe"), (mode, key)
+                if want[key] is not None:
+                    assert got[mode][key] == pytest.approx(want[key], rel=1e-5), (mode, key)
         assert ranks[0][mode]["first_rows"] == want["first_rows"]
 
 

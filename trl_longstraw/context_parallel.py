@@ -87,6 +87,7 @@ from .attention import (
     sinks_partial,
 )
 from .engine import LongStrawEngine, check_prepared, no_layer_checkpointing, non_finite_error, weights_version
+from .load_balancing import RouterLoad
 from .state import (
     AttentionPages,
     ConvRecurrentState,
@@ -899,24 +900,31 @@ class ContextParallelEngine(LongStrawEngine):
                 state.receive_recurrent(owner - 1)
             for chunk_index, (start, end) in enumerate(self._own_chunks(state)):
                 chunk = chunk_index + state.chunk_offset
-                self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk)
+                _, load = self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk)
+                state.add_router_load(load)
             state.end_of_shard()
             if owner < cp.size - 1:
                 state.send_recurrent(owner + 1)
         state.share_final_recurrent()
+        if self.routing is not None:  # every rank holds the whole prompt's routing sums
+            experts = self.routing.num_experts
+            load = state.router_load
+            total = cp.all_reduce(torch.cat([load.counts, load.probs, load.rows.reshape(1)]), kind="capture")
+            state.router_load = RouterLoad(total[:experts], total[experts : 2 * experts], total[-1])
         state.check_captured()
         finite = torch.tensor([float(state.all_finite())])
         if not cp.all_reduce(finite, op=dist.ReduceOp.MIN, kind="capture").item():  # every rank raises together
             raise non_finite_error("the captured prompt state")
         return state
 
-    def backward_prompt(self, model, state, prompt_ids) -> None:
+    def backward_prompt(self, model, state, prompt_ids, router_weights=None) -> None:
         """Exact mode: each rank pushes its shard's state gradient into the parameters by recomputing its own chunks,
         shards in reverse order (the last shard's recompute sends gradients into earlier shards' pages, served where
         they live, and into its starting recurrent state, sent back to the previous shard's owner, before those are
-        recomputed); then the parameter gradients this added are summed across the CP group."""
+        recomputed); then the parameter gradients this added are summed across the CP group (with `router_weights`,
+        each rank's chunks add their tokens' share of the load-balancing loss's gradient)."""
         if not self.sharded:
-            return super().backward_prompt(model, state, prompt_ids)
+            return super().backward_prompt(model, state, prompt_ids, router_weights)
         cp = self.context_parallel
         state.check_fresh(weights_version(model))
         params = [p for p in model.parameters() if p.requires_grad]
@@ -933,7 +941,9 @@ class ContextParallelEngine(LongStrawEngine):
                 for chunk_index in reversed(range(len(chunks))):
                     start, end = chunks[chunk_index]
                     chunk = chunk_index + state.chunk_offset
-                    access = self._backbone_forward(model, state, "recompute", prompt_ids[start:end], start, chunk)
+                    access, load = self._backbone_forward(
+                        model, state, "recompute", prompt_ids[start:end], start, chunk
+                    )
                     pairs = [
                         pair
                         for layer_state, recorded in access.recorded.items()
@@ -941,6 +951,8 @@ class ContextParallelEngine(LongStrawEngine):
                             recorded, chunk, start - shard_start, end - shard_start
                         )
                     ]
+                    if router_weights is not None:
+                        pairs.append((load.objective(router_weights), torch.ones((), device=load.probs.device)))
                     if pairs:
                         torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
                 state.end_of_shard()

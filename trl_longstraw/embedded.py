@@ -33,7 +33,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 # Tiny configs per family (random weights; attention dropout 0 everywhere). MoE families set their
-# `router_aux_loss_coef` to 0: GRPOTrainer would otherwise add the load-balancing loss, which LongStraw refuses.
+# `router_aux_loss_coef` to 0, so that a family's parity tests check its routing alone; the tests of the
+# load-balancing loss turn it on through GRPOConfig's `router_aux_loss_coef`.
 _MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "router_aux_loss_coef": 0.0}
 _GATED_DELTANET = {
     "linear_num_key_heads": 2,

@@ -12,6 +12,9 @@ Token layout of one member, for a prompt `p[0..P)` and completion `c[0..R)`:
     replay:   [p[P-1], c[0], ..., c[R-1]]        predicts c[0 .. R): the last prompt token is replayed, so the
                                                   first completion token gets its log-prob and its gradient path
                                                   (c[R-1] is fed but never scored: see `_member_forward`)
+
+For a MoE policy trained with TRL's load-balancing loss (`routing`), each of these forwards also sums its tokens'
+routing ([`~trl_longstraw.load_balancing.RouterLoad`]): the capture's on the state, each member's returned.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .attention import ATTENTION_IMPLEMENTATION, STATE_KWARG, register_attention
+from .load_balancing import MoeRouting, RouterLoad, recorded_router_logits
 from .state import PromptState, StateAccess, UnpreparedModelError, plan_layers
 from .state.suffix import Suffix
 
@@ -132,6 +136,8 @@ class LongStrawEngine:
         prompt_gradient: "detach" (state is a constant) or "exact" (state gradients pushed into the parameters).
         prompt_state_dtype: "auto" (the model's dtype) or "float8_e4m3fn" (attention K/V and MLA latent pages in fp8
             with per-(page, head) scales, dequantised chunk by chunk as read; detach mode only).
+        routing: a MoE model's routing when the update includes TRL's load-balancing loss: every forward then sums
+            its tokens' router load (the capture's into `state.router_load`), and no layer's output goes unread.
     """
 
     prefill_chunk_size: int
@@ -139,6 +145,7 @@ class LongStrawEngine:
     state_device: torch.device | None = None
     prompt_gradient: Literal["detach", "exact"] = "detach"
     prompt_state_dtype: Literal["auto", "float8_e4m3fn"] = "auto"
+    routing: MoeRouting | None = None
 
     @staticmethod
     def _device(model: nn.Module) -> torch.device:
@@ -160,37 +167,56 @@ class LongStrawEngine:
         )
         for chunk_index, start in enumerate(range(0, num_tokens, self.prefill_chunk_size)):
             end = min(start + self.prefill_chunk_size, num_tokens)
-            self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk_index)
+            _, load = self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk_index)
+            state.add_router_load(load)
         state.check_captured()
         if not state.all_finite():  # checked as each chunk was written; one device sync here
             raise non_finite_error("the captured prompt state")
         return state
 
-    def _backbone_forward(self, model, state, mode, token_ids, start, chunk_index) -> StateAccess:
-        """One prompt chunk through the decoder stack (capture, or exact-mode recompute), pages read up to `start`."""
+    def _backbone_forward(
+        self, model, state, mode, token_ids, start, chunk_index
+    ) -> tuple[StateAccess, RouterLoad | None]:
+        """One prompt chunk through the decoder stack (capture, or exact-mode recompute), pages read up to `start`;
+        with `routing`, also the chunk's router load (with its graph when recomputing)."""
         device = self._device(model)
         first_position = state.start_position + start
         positions = torch.arange(first_position, first_position + token_ids.numel(), device=device)
-        access = StateAccess(state, mode, positions, self.attention_chunk_size, start, chunk_index=chunk_index)
-        model.base_model(
+        access = StateAccess(
+            state,
+            mode,
+            positions,
+            self.attention_chunk_size,
+            start,
+            chunk_index=chunk_index,
+            every_output_read=self.routing is not None,
+        )
+        routed = {} if self.routing is None else {"output_router_logits": True}
+        outputs = model.base_model(
             input_ids=token_ids.to(device)[None],
             position_ids=positions[None],
             cache=access,
             use_cache=False,
+            **routed,
             **{STATE_KWARG: access},
         )
-        return access
+        if self.routing is None:
+            return access, None
+        return access, RouterLoad.of(outputs.router_logits, self.routing, torch.ones_like(positions))
 
     def _member_forward(self, model, state, last_prompt_token, completions, lengths):
-        """Log-probs and entropies of `completions [n, T]` (right-padded; `lengths [n]` real tokens) given the state.
+        """Log-probs and entropies of `completions [n, T]` (right-padded; `lengths [n]` real tokens) given the state,
+        and with `routing` the router load of the members' tokens (the last prompt token and their real tokens, as
+        stock's rows count them), else None.
 
         The input is `[last prompt token, completion...]`, one token longer than needed: the extra (last) token is
         never scored, but it keeps every replay at least two tokens long, so linear-attention layers take their
-        chunked (differentiable) kernel path rather than the single-token decode kernel.
+        chunked (differentiable) kernel path rather than the single-token decode kernel. A member without completion
+        tokens is fed one masked token (its last prompt token's routing counts).
         """
         state.check_fresh(weights_version(model))
         device = self._device(model)
-        width = int(lengths.max())
+        width = max(int(lengths.max()), 1)
         completions = completions[:, :width].to(device)
         real = torch.arange(width, device=device)[None, :] < lengths.to(device)[:, None]
         inputs = torch.cat([last_prompt_token.to(device).expand(len(completions), 1), completions], dim=1)
@@ -202,17 +228,24 @@ class LongStrawEngine:
         access = StateAccess(
             state, "read", positions, self.attention_chunk_size, state.num_tokens, batch_size=len(completions)
         )
-        with checkpointed_layers_keep_the_state(model):
+        routed = {} if self.routing is None else {"output_router_logits": True}
+        recording = contextlib.nullcontext() if self.routing is None else recorded_router_logits(model.base_model)
+        with checkpointed_layers_keep_the_state(model), recording as router_logits:
             outputs = model(
                 input_ids=inputs,
                 position_ids=positions[None],
                 shift_labels=labels,
                 fused_lm_head=True,
                 cache=access,
+                **routed,
                 **{STATE_KWARG: access},
             )
         entropies = None if outputs.entropy is None else outputs.entropy[:, :width]
-        return outputs.log_probs[:, :width], entropies
+        load = None
+        if self.routing is not None:
+            routed_tokens = torch.cat([real.new_ones(len(completions), 1), real], dim=1)
+            load = RouterLoad.of(router_logits[-1], self.routing, routed_tokens)
+        return outputs.log_probs[:, :width], entropies, load
 
     @torch.no_grad()
     def score(
@@ -223,19 +256,24 @@ class LongStrawEngine:
         completions: torch.Tensor,
         lengths: torch.Tensor,
         batch_size: int,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        router_load: bool = False,
+    ):
         """No-grad log-probs (and entropies, if the head computes them) of every member, `batch_size` at a time.
 
-        Returns `[n, completions.shape[1]]` tensors, zero past each member's length, like `GRPOTrainer`'s.
+        Returns `[n, completions.shape[1]]` tensors, zero past each member's length, like `GRPOTrainer`'s; with
+        `router_load` (needs `routing`), also the members' [`RouterLoad`] (without the captured prompt's).
         """
-        logps = entropies = None
+        if router_load and self.routing is None:
+            raise ValueError("router_load=True needs an engine built with the model's routing")
+        logps = entropies = load = None
         for start in range(0, len(completions), batch_size):
             rows = slice(start, start + batch_size)
-            if int(lengths[rows].max()) == 0:
+            if int(lengths[rows].max()) == 0 and self.routing is None:
                 continue
-            chunk_logps, chunk_entropies = self._member_forward(
+            chunk_logps, chunk_entropies, chunk_load = self._member_forward(
                 model, state, last_prompt_token, completions[rows], lengths[rows]
             )
+            load = chunk_load if load is None else load + chunk_load
             width = chunk_logps.shape[1]
             if logps is None:
                 logps = chunk_logps.new_zeros(completions.shape)
@@ -245,7 +283,7 @@ class LongStrawEngine:
                 entropies[rows, :width] = chunk_entropies
         if logps is None:  # every member is empty (e.g. all truncated and masked)
             logps = torch.zeros(completions.shape, device=self._device(model))
-        return logps, entropies
+        return (logps, entropies, load) if router_load else (logps, entropies)
 
     def replay(
         self,
@@ -254,12 +292,17 @@ class LongStrawEngine:
         last_prompt_token: torch.Tensor,
         completion: torch.Tensor,
         length: int,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One member under autograd: `[length]` log-probs and entropies, connected to the parameters."""
-        logps, entropies = self._member_forward(
+        router_load: bool = False,
+    ):
+        """One member under autograd: `[length]` log-probs and entropies, connected to the parameters; with
+        `router_load` (needs `routing`), also the member's [`RouterLoad`], its probabilities connected too."""
+        if router_load and self.routing is None:
+            raise ValueError("router_load=True needs an engine built with the model's routing")
+        logps, entropies, load = self._member_forward(
             model, state, last_prompt_token, completion[None], torch.tensor([length])
         )
-        return logps[0], None if entropies is None else entropies[0]
+        logps, entropies = logps[0, :length], None if entropies is None else entropies[0, :length]
+        return (logps, entropies, load) if router_load else (logps, entropies)
 
     @torch.no_grad()
     def decode(self, model: nn.Module, state: PromptState, suffix: Suffix, token_ids: torch.Tensor) -> torch.Tensor:
@@ -294,8 +337,16 @@ class LongStrawEngine:
         rows must take it (here: as given; under context parallelism, the first rank's)."""
         return decision
 
-    def backward_prompt(self, model: nn.Module, state: PromptState, prompt_ids: torch.Tensor) -> None:
-        """Exact mode: push the gradient accumulated on the state leaves into the parameters.
+    def backward_prompt(
+        self,
+        model: nn.Module,
+        state: PromptState,
+        prompt_ids: torch.Tensor,
+        router_weights: torch.Tensor | None = None,
+    ) -> None:
+        """Exact mode: push the gradient accumulated on the state leaves into the parameters, and with
+        `router_weights` (`[experts]`, see `RouterLoad.weights`) the load-balancing loss's gradient through the
+        prompt tokens' routing.
 
         Chunks are recomputed under autograd in reverse order: chunk c reads the pages of chunks < c as leaves, so
         its backward adds to their gradients before they are themselves recomputed. Peak memory is one chunk's graph
@@ -307,11 +358,15 @@ class LongStrawEngine:
             for chunk_index in reversed(range(len(starts))):
                 start = starts[chunk_index]
                 end = min(start + self.prefill_chunk_size, state.num_tokens)
-                access = self._backbone_forward(model, state, "recompute", prompt_ids[start:end], start, chunk_index)
+                access, load = self._backbone_forward(
+                    model, state, "recompute", prompt_ids[start:end], start, chunk_index
+                )
                 pairs = [
                     pair
                     for layer_state, recorded in access.recorded.items()
                     for pair in layer_state.recompute_pairs(recorded, chunk_index, start, end)
                 ]
+                if router_weights is not None:
+                    pairs.append((load.objective(router_weights), torch.ones((), device=load.probs.device)))
                 if pairs:
                     torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])

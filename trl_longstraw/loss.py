@@ -7,7 +7,9 @@ loss runs on them unchanged (same value, same metrics, same normalisers; future 
 loss is back-propagated, autograd delivers `d loss / d logp` per token to that node, whose backward replays each
 member under autograd and calls `logp_i.backward(d loss / d logp_i)`. So `trainer.compute_loss(model, inputs)
 .backward()` — what `Trainer.training_step` does — gives the LongStraw gradient, with no full forward of
-`prompt + completion` under autograd anywhere.
+`prompt + completion` under autograd anywhere. A MoE policy's load-balancing loss (`aux_loss`, computed from the
+scored router loads: load_balancing.py) is a third output of the same node, and its gradient a third argument of the
+replay.
 """
 
 from __future__ import annotations
@@ -16,37 +18,43 @@ from collections.abc import Callable
 
 import torch
 
-ReplayBackward = Callable[[torch.Tensor | None, torch.Tensor | None], None]
+ReplayBackward = Callable[[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None], None]
 
 
 class ReplayedScores(torch.autograd.Function):
-    """Scored `(logps, entropies)` as a differentiable node whose backward is the serial replay.
+    """Scored `(logps, entropies, aux_loss)` as a differentiable node whose backward is the serial replay.
 
-    `forward(replay_backward, anchor, logps, entropies)`: `logps`/`entropies` are `[batch, completion_len]` no-grad
-    scores; `anchor` is any tensor that requires grad (it only makes the outputs part of the graph). `backward` calls
-    `replay_backward(grad_logps, grad_entropies)` with grad enabled; a gradient is None when the loss does not use
-    that output (TRL uses entropies' values only for an entropy bonus).
+    `forward(replay_backward, anchor, logps, entropies, aux_loss)`: `logps`/`entropies` are `[batch, completion_len]`
+    no-grad scores, `aux_loss` a no-grad scalar; `anchor` is any tensor that requires grad (it only makes the outputs
+    part of the graph). `backward` calls `replay_backward(grad_logps, grad_entropies, grad_aux_loss)` with grad
+    enabled; a gradient is None when the loss does not use that output (TRL uses entropies' values only for an
+    entropy bonus).
     """
 
     @staticmethod
-    def forward(ctx, replay_backward: ReplayBackward, anchor, logps, entropies):
+    def forward(ctx, replay_backward: ReplayBackward, anchor, logps, entropies, aux_loss):
         ctx.replay_backward = replay_backward
         ctx.set_materialize_grads(False)
-        return logps.clone(), entropies.clone()
+        return logps.clone(), entropies.clone(), aux_loss.clone()
 
     @staticmethod
-    def backward(ctx, grad_logps, grad_entropies):
+    def backward(ctx, grad_logps, grad_entropies, grad_aux_loss):
         with torch.enable_grad():
-            ctx.replay_backward(grad_logps, grad_entropies)
-        return None, None, None, None
+            ctx.replay_backward(grad_logps, grad_entropies, grad_aux_loss)
+        return None, None, None, None, None
 
 
 def replayed_scores(
-    replay_backward: ReplayBackward, logps: torch.Tensor, entropies: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`logps`, `entropies` as outputs of a [`ReplayedScores`] node (see there)."""
+    replay_backward: ReplayBackward,
+    logps: torch.Tensor,
+    entropies: torch.Tensor,
+    aux_loss: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`logps`, `entropies` (and `aux_loss`, if given) as outputs of a [`ReplayedScores`] node (see there)."""
     anchor = torch.zeros((), device=logps.device, requires_grad=True)
-    return ReplayedScores.apply(replay_backward, anchor, logps, entropies)
+    given = torch.zeros((), device=logps.device) if aux_loss is None else aux_loss
+    logps, entropies, given = ReplayedScores.apply(replay_backward, anchor, logps, entropies, given)
+    return logps, entropies, None if aux_loss is None else given
 
 
 def member_backward(
@@ -54,9 +62,15 @@ def member_backward(
     entropies: torch.Tensor | None,
     grad_logps: torch.Tensor,
     grad_entropies: torch.Tensor | None,
+    router_objective: torch.Tensor | None = None,
 ) -> None:
-    """Back-propagate one replayed member's share of the loss into the parameters (and the prompt-state leaves)."""
+    """Back-propagate one replayed member's share of the loss into the parameters (and the prompt-state leaves);
+    `router_objective` is its tokens' share of the load-balancing loss (`RouterLoad.objective`), back-propagated
+    with gradient 1."""
     outputs, grads = [logps], [grad_logps.to(logps.dtype)]
+    if router_objective is not None:
+        outputs.append(router_objective)
+        grads.append(torch.ones_like(router_objective))
     if grad_entropies is not None:
         if entropies is None:
             raise RuntimeError("the loss uses entropies but the model's fused LM head does not compute them")

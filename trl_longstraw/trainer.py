@@ -38,6 +38,7 @@ from .context_parallel import (
 )
 from .distributed import average_gradients
 from .engine import ensure_finite, non_finite_error, weights_version
+from .load_balancing import moe_routing
 from .loss import member_backward, replayed_scores
 from .rollout import PromptRows, UnsupportedRolloutError, check_generation_config, decode, prepare_sampling
 from .telemetry import PhaseTelemetry
@@ -224,12 +225,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 check_dropout_off(policy_or_ref)
         if self._is_vlm:
             raise ValueError("LongStrawGRPOTrainer supports text-only causal LMs; this model is vision-language.")
-        if self.aux_loss_enabled:
-            raise ValueError(
-                f"router_aux_loss_coef={self.router_aux_loss_coef}: the MoE load-balancing loss is computed over "
-                "every token of prompt + completion, which LongStraw never runs together under autograd. Set "
-                "router_aux_loss_coef=0.0 (routing itself is replayed exactly)."
-            )
+        # TRL adds the MoE load-balancing loss over every token of prompt + completion: summed apart (load_balancing.py)
+        routing = moe_routing(self._causal_lm(self.model)) if self.aux_loss_enabled else None
         register_attention()
         for policy_or_ref in (self._causal_lm(self.model), self.ref_model):
             if policy_or_ref is not None:
@@ -245,6 +242,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             state_device=state_device,
             prompt_gradient=args.prompt_gradient,
             prompt_state_dtype=args.prompt_state_dtype,
+            routing=routing,
             context_parallel=self._context_parallel,
         )
         self._telemetry = PhaseTelemetry(
@@ -365,17 +363,18 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         del kept
         return self._capture(causal_lm, group, "capture")
 
-    def _score_groups(self, causal_lm, groups, completion_ids, reference: bool):
-        """No-grad log-probs and entropies `[batch, completion_len]` of every row, one prompt state at a time.
+    def _score_groups(self, causal_lm, groups, completion_ids, reference: bool, router_load: bool):
+        """No-grad log-probs and entropies `[batch, completion_len]` of every row, one prompt state at a time, the
+        order used, and with `router_load` the rows' [`RouterLoad`] (each group's prompt counted once per row).
 
         Members are scored one at a time, like they are replayed: batching them would make the scoring peak grow with
         the group size (measured: 0.16 to 0.85 GiB from G = 2 to 16 at P = 8K). For the policy, the group whose state
-        is kept goes first (no capture) and the last group's state stays kept; returns the order used.
+        is kept goes first (no capture) and the last group's state stays kept.
         """
         if not reference and self._kept is not None:
             kept = self._kept.group
             groups = sorted(groups, key=lambda g: not kept.same_prompt(g.prompt_ids, g.first_position))
-        logps = entropies = None
+        logps = entropies = load = None
         for group in groups:
             if reference:
                 self._kept = None
@@ -384,14 +383,18 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 state = self._policy_state(causal_lm, group)
             rows = torch.tensor(group.rows, device=completion_ids.device)
             with self._phase("score"), torch.no_grad(), self.accelerator.autocast():
-                group_logps, group_entropies = self.engine.score(
+                group_logps, group_entropies, *members_load = self.engine.score(
                     causal_lm,
                     state,
                     group.prompt_ids[-1:],
                     completion_ids[rows],
                     torch.tensor(group.completion_lengths),
                     batch_size=1,
+                    router_load=router_load,
                 )
+            if router_load:
+                group_load = state.router_load.times(len(group.rows)) + members_load[0]
+                load = group_load if load is None else load + group_load
             phase = "capture_ref" if reference else "capture"
             ensure_finite_members(torch.isfinite(group_logps).all(dim=1), f"phase 'score' ({phase})", group)
             if logps is None:
@@ -405,7 +408,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             del state
         if reference:
             self._kept = None
-        return logps, entropies, groups
+        return logps, entropies, groups, load
 
     # ---------------------------------------------------------------------------------------------------------------
     # The seam: GRPOTrainer asks for per-token log-probs (and, under grad, for their gradient)
@@ -443,26 +446,38 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             input_ids[:, :-logits_to_keep], attention_mask[:, :-logits_to_keep], attention_mask[:, -logits_to_keep:]
         )
         causal_lm = self._causal_lm(model)
-        logps, entropies, order = self._score_groups(causal_lm, groups, completion_ids, reference)
+        routing = self.engine.routing if compute_aux_loss else None
+        logps, entropies, order, load = self._score_groups(
+            causal_lm, groups, completion_ids, reference, router_load=routing is not None
+        )
+        aux_loss = None if load is None else load.loss(routing)
         if torch.is_grad_enabled():
 
-            def replay(grad_logps, grad_entropies):
-                self.replay_backward(causal_lm, order[::-1], completion_ids, grad_logps, grad_entropies)
+            def replay(grad_logps, grad_entropies, grad_aux_loss):
+                router_weights = None if grad_aux_loss is None else load.weights(routing, grad_aux_loss)
+                self.replay_backward(
+                    causal_lm, order[::-1], completion_ids, grad_logps, grad_entropies, router_weights
+                )
 
-            logps, entropies = replayed_scores(replay, logps, entropies)
-        return logps, entropies if compute_entropy else None, None
+            logps, entropies, aux_loss = replayed_scores(replay, logps, entropies, aux_loss)
+        return logps, entropies if compute_entropy else None, aux_loss
 
     # ---------------------------------------------------------------------------------------------------------------
     # The update
     # ---------------------------------------------------------------------------------------------------------------
-    def replay_backward(self, causal_lm, groups, completion_ids, grad_logps, grad_entropies) -> None:
-        """Replay each member under autograd and back-propagate `d loss / d logp` (and `d loss / d entropy`).
+    def replay_backward(
+        self, causal_lm, groups, completion_ids, grad_logps, grad_entropies, router_weights=None
+    ) -> None:
+        """Replay each member under autograd and back-propagate `d loss / d logp` (and `d loss / d entropy`, and
+        with `router_weights` the load-balancing loss's gradient through the routing of its tokens).
 
         Groups are replayed in the order given (the last scored first: its state is still alive). A group whose
-        gradient is zero (equal rewards and `beta = 0`, or every member masked) is not replayed, but the optimizer
-        still gets what stock gives it: every parameter the update reaches ends with a gradient, zeros if nothing
-        reached it this step (AdamW skips a parameter whose `.grad` is None: no step count, no weight decay). In
-        exact mode each replayed group then pushes its state's gradient into the parameters (`backward_prompt`).
+        gradient is zero (equal rewards and `beta = 0`, or every member masked, and no load-balancing loss) is not
+        replayed, but the optimizer still gets what stock gives it: every parameter the update reaches ends with a
+        gradient, zeros if nothing reached it this step (AdamW skips a parameter whose `.grad` is None: no step
+        count, no weight decay). In exact mode each replayed group then pushes its state's gradient into the
+        parameters (`backward_prompt`), with the load-balancing loss's share through its prompt tokens' routing
+        (once per row of the group, as each of stock's rows carries the prompt).
         """
         exact = self.args.prompt_gradient == "exact"
         replayed = False
@@ -476,12 +491,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 group_grad_entropies = (
                     None if grad_entropies is None else grad_entropies[rows.to(grad_entropies.device)]
                 )
-                if (group_grad is None or not group_grad.any()) and (
-                    group_grad_entropies is None or not group_grad_entropies.any()
+                if (
+                    (group_grad is None or not group_grad.any())
+                    and (group_grad_entropies is None or not group_grad_entropies.any())
+                    and router_weights is None
                 ):
                     continue
                 if group_grad is None:
-                    group_grad = torch.zeros_like(group_grad_entropies)
+                    group_grad = torch.zeros(len(group.rows), completion_ids.shape[1], device=completion_ids.device)
                 state = self._policy_state(causal_lm, group)
                 if exact:
                     state.requires_grad_()  # its gradient buffers make it single-use: never kept
@@ -489,11 +506,16 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 with self._phase("replay"):
                     for member, row in enumerate(group.rows):
                         length = group.completion_lengths[member]
-                        if length == 0:
+                        if length == 0 and router_weights is None:
                             continue
                         with self.accelerator.autocast():
-                            member_logps, member_entropies = self.engine.replay(
-                                causal_lm, state, group.prompt_ids[-1:], completion_ids[row], length
+                            member_logps, member_entropies, *member_load = self.engine.replay(
+                                causal_lm,
+                                state,
+                                group.prompt_ids[-1:],
+                                completion_ids[row],
+                                length,
+                                router_load=router_weights is not None,
                             )
                         finite.append(torch.isfinite(member_logps.detach()).all())
                         members.append(member)
@@ -502,13 +524,19 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                             member_entropies,
                             group_grad[member, :length],
                             None if group_grad_entropies is None else group_grad_entropies[member, :length],
+                            member_load[0].objective(router_weights) if member_load else None,
                         )
                         replayed = True
                     if finite:
                         ensure_finite_members(torch.stack(finite), "phase 'replay'", group, members)
                 if exact:
                     with self._phase("prompt_backward"), self.accelerator.autocast():
-                        self.engine.backward_prompt(causal_lm, state, group.prompt_ids)
+                        self.engine.backward_prompt(
+                            causal_lm,
+                            state,
+                            group.prompt_ids,
+                            None if router_weights is None else router_weights * len(group.rows),
+                        )
                 else:
                     self._kept = _KeptState(group, state)
                 del state

@@ -8,7 +8,7 @@ the snapshot, continuations are computed out of place, nothing is concatenated o
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from transformers.cache_utils import Cache
@@ -18,6 +18,9 @@ from .placement import Placement
 from .recurrent import ConvRecurrentState
 from .registry import LayerPlan, LayerState, PromptGeometry, UnsupportedModelError
 from .suffix import Suffix
+
+if TYPE_CHECKING:
+    from ..load_balancing import RouterLoad
 
 
 class StaleStateError(RuntimeError):
@@ -62,6 +65,12 @@ class PromptState:
             if isinstance(layer, IndexerKeys):
                 _add_selection_hooks(layer.mixer)
         self.extends_masks = any(type(layer).extends_masks for layer in self.layers)
+        # A MoE policy trained with the load-balancing loss: the captured tokens' routing sums (load_balancing.py).
+        self.router_load: RouterLoad | None = None
+
+    def add_router_load(self, load: RouterLoad | None) -> None:
+        if load is not None:
+            self.router_load = load if self.router_load is None else self.router_load + load
 
     @property
     def num_tokens(self) -> int:
@@ -226,6 +235,7 @@ class StateAccess(Cache):
         batch_size: int = 1,
         chunk_index: int = 0,
         suffix: Suffix | None = None,
+        every_output_read: bool = False,
     ):
         if (mode == "decode") != (suffix is not None):
             raise ValueError("A decode forward needs the rows' suffix, and only a decode forward reads one.")
@@ -238,6 +248,7 @@ class StateAccess(Cache):
         self.forward_batch_size = batch_size
         self.chunk_index = chunk_index
         self.suffix = suffix
+        self.every_output_read = every_output_read
         self.recorded: dict[LayerState, object] = {}
         self.cache_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.visited: set[int] = set()  # capture: the mixers this forward has run
@@ -265,8 +276,13 @@ class StateAccess(Cache):
         capture or recompute. Its outputs are the prompt tokens' last hidden states, which no replay reads (a replay
         starts at the last prompt token) and no exact-mode gradient reaches (it flows from the state's tensors). Its
         state is still written; attention kinds skip the attention itself, and a DSA indexer the top-k over the
-        prompt that only that attention would apply (none where the final layer has no attention)."""
-        return self.mode in ("capture", "recompute") and layer_idx == self.state.final_layer_idx
+        prompt that only that attention would apply (none where the final layer has no attention). Unless
+        `every_output_read`: the MoE load-balancing loss reads every prompt token's routing at every layer."""
+        return (
+            not self.every_output_read
+            and self.mode in ("capture", "recompute")
+            and layer_idx == self.state.final_layer_idx
+        )
 
     def visit(self, mixer: torch.nn.Module) -> None:
         """A capture writes each mixer's state once per forward; a second write means the model ran that layer twice

@@ -1,0 +1,105 @@
+"""The MoE load-balancing loss (`router_aux_loss_coef != 0`): summed apart, it is transformers' loss, its gradient
+and stock GRPOTrainer's whole update."""
+
+import pytest
+import torch
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+from trl import GRPOTrainer
+
+from trl_longstraw import LongStrawGRPOTrainer
+from trl_longstraw.load_balancing import MoeRouting, RouterLoad
+
+from .conftest import max_relative_error
+from .reference import DetachedReferenceTrainer, run_pair
+from .test_drop_in import assert_same_run, train_run
+
+ROUTING = MoeRouting(num_experts=6, top_k=2)
+COEF = 0.5  # large enough that the load-balancing loss's share of the gradient is far above the tolerance
+
+
+def test_sums_taken_apart_give_transformers_loss_and_gradient():
+    """A prompt shared by 3 rows (counted once per row) plus each row's own tokens, some masked, at 3 MoE layers."""
+    generator = torch.Generator().manual_seed(0)
+    prompt = [torch.randn(5, ROUTING.num_experts, generator=generator, requires_grad=True) for _ in range(3)]
+    members = [
+        [torch.randn(4, ROUTING.num_experts, generator=generator, requires_grad=True) for _ in range(3)]
+        for _ in range(3)
+    ]
+    member_masks = [torch.tensor([1.0, 1, 1, 0]), torch.tensor([1.0, 0, 0, 0]), torch.ones(4)]
+
+    leaves = prompt + [logits for own in members for logits in own]
+    rows = [[torch.cat([p, m]) for p, m in zip(prompt, own, strict=True)] for own in members]
+    whole = tuple(torch.cat(layer) for layer in zip(*rows, strict=True))
+    mask = torch.cat([torch.cat([torch.ones(5), m]) for m in member_masks])
+    want = load_balancing_loss_func(whole, ROUTING.num_experts, ROUTING.top_k, mask)
+    want_grads = torch.autograd.grad(want, leaves)
+
+    prompt_load = RouterLoad.of(tuple(prompt), ROUTING, torch.ones(5))
+    member_loads = [RouterLoad.of(tuple(own), ROUTING, m) for own, m in zip(members, member_masks, strict=True)]
+    total = prompt_load.detach().times(3) + sum(member_loads[1:], member_loads[0]).detach()
+    assert torch.allclose(total.loss(ROUTING), want, rtol=1e-6)
+
+    weights = total.weights(ROUTING, torch.tensor(1.0))
+    parts = [prompt_load.objective(weights * 3)] + [load.objective(weights) for load in member_loads]
+    got_grads = torch.autograd.grad(sum(parts), leaves)
+    for got, expected in zip(got_grads, want_grads, strict=True):
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe"])
+@pytest.mark.parametrize(
+    "prompt_gradient, reference_class",
+    [("exact", GRPOTrainer), ("detach", DetachedReferenceTrainer)],
+    ids=["exact-vs-stock", "detach-vs-detached-reference"],
+)
+def test_loss_and_gradients_match_the_reference(
+    prompt_gradient, reference_class, model_type, fresh_model, tokenizer, prompt_dataset, tmp_path
+):
+    """Left-padded prompts of two lengths, ragged completions, prompt chunks of 4 tokens."""
+    ref_loss, loss, ref_grads, grads = run_pair(
+        reference_class,
+        fresh_model,
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        model_type=model_type,
+        router_aux_loss_coef=COEF,
+        prompt_gradient=prompt_gradient,
+        beta=0.04,
+    )
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
+    assert max_relative_error(grads, ref_grads, floor_fraction=1e-3) <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_exact_mode_trains_like_stock(model_type, tokenizer, prompt_dataset, tmp_path):
+    """Several optimizer steps: groups spread over micro-steps, all-truncated members (masked, yet their prompt
+    tokens' routing counts), a flat-reward step (the load-balancing loss is its only gradient) and evaluation.
+
+    (Not the GatedDeltaNet hybrid: AdamW turns its `A_log`/`dt_bias` rounding-level gradient differences into
+    percent-level weight differences over steps, docs/design.md; its gradient is checked above, on one batch.)"""
+    from trl_longstraw.embedded import build_model
+
+    path = tmp_path / model_type
+    build_model(model_type, seed=0).save_pretrained(path)
+    settings = {
+        "router_aux_loss_coef": COEF,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 3,
+        "max_steps": 3,
+        "mask_truncated_completions": True,
+        "max_completion_length": 4,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "num_generations_eval": 3,
+        "per_device_eval_batch_size": 3,
+    }
+    stock = train_run(GRPOTrainer, path, tokenizer, prompt_dataset, tmp_path, **settings)
+    ours = train_run(LongStrawGRPOTrainer, path, tokenizer, prompt_dataset, tmp_path, **settings)
+    assert_same_run(stock, ours)
+    for got, want in zip(ours[0] + ours[1], stock[0] + stock[1], strict=True):
+        key = "aux_loss" if "aux_loss" in want else "eval_aux_loss"
+        assert got[key] == pytest.approx(want[key], rel=1e-5), (key, got[key], want[key])
+    assert any(entry["frac_reward_zero_std"] == 1.0 for entry in stock[0])
+    assert any(entry["completions/clipped_ratio"] > 0 for entry in stock[0])
