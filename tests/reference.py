@@ -6,6 +6,7 @@ own cache under `no_grad`, and each completion is replayed under autograd on a d
 
 import copy
 
+import pytest
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
@@ -14,7 +15,7 @@ from trl import GRPOTrainer
 
 from trl_longstraw import LongStrawGRPOTrainer
 
-from .conftest import add_old_and_ref_logps, grads_of, make_trainer, synthetic_inputs
+from .conftest import add_old_and_ref_logps, grads_of, make_trainer, max_relative_error, synthetic_inputs
 
 LOSS_TYPES = ["grpo", "dapo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo"]
 
@@ -91,6 +92,20 @@ class DetachedReferenceTrainer(GRPOTrainer):
                 torch.cat(routed),
             )
         return torch.stack(rows_logps), torch.stack(rows_entropies), aux_loss
+
+
+# Exact mode against stock GRPOTrainer, detach mode against the detached reference.
+AGAINST_THE_REFERENCE = pytest.mark.parametrize(
+    "prompt_gradient, reference_class",
+    [("exact", GRPOTrainer), ("detach", DetachedReferenceTrainer)],
+    ids=["exact-vs-stock", "detach-vs-detached-reference"],
+)
+
+
+def assert_matches_the_reference(ref_loss, loss, ref_grads, grads, floor_fraction=0.0):
+    """Loss to 1e-5 and every gradient tensor to 1e-4 relative (`floor_fraction`: see `max_relative_error`)."""
+    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
+    assert max_relative_error(grads, ref_grads, floor_fraction=floor_fraction) <= 1e-4
 
 
 def run_pair(

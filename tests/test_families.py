@@ -12,15 +12,13 @@ import copy
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from trl import GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from trl_longstraw.embedded import FAMILIES, build_model
 from trl_longstraw.engine import LongStrawEngine, prepare_model
 from trl_longstraw.state import ConvRecurrentState
 
-from .conftest import max_relative_error
-from .reference import DetachedReferenceTrainer, run_pair
+from .reference import AGAINST_THE_REFERENCE, assert_matches_the_reference, run_pair
 from .test_engine import case, full_forward
 
 # Recurrent families: the gradients of A_log / dt_bias (and Mamba's D) are tiny sums with heavy cancellation, which
@@ -155,11 +153,7 @@ def test_level6_replay_reproduces_scores_and_leaves_the_state_unchanged(family, 
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize(
-    "prompt_gradient, reference_class",
-    [("exact", GRPOTrainer), ("detach", DetachedReferenceTrainer)],
-    ids=["exact-vs-stock", "detach-vs-detached-reference"],
-)
+@AGAINST_THE_REFERENCE
 def test_levels3_4_loss_and_gradients_match_the_reference(
     family, prompt_gradient, reference_class, fresh_model, tokenizer, prompt_dataset, tmp_path
 ):
@@ -174,9 +168,7 @@ def test_levels3_4_loss_and_gradients_match_the_reference(
         beta=0.04,
         prompt_gradient=prompt_gradient,
     )
-    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
-    floor = 1e-3 if family in RECURRENT else 0.0
-    assert max_relative_error(grads, ref_grads, floor_fraction=floor) <= 1e-4
+    assert_matches_the_reference(ref_loss, loss, ref_grads, grads, floor_fraction=1e-3 if family in RECURRENT else 0.0)
 
 
 def test_reference_models_load_with_an_attention_that_implements_their_features(tmp_path):

@@ -5,16 +5,12 @@ import torch
 from trl import GRPOTrainer
 
 from .conftest import max_relative_error
-from .reference import LOSS_TYPES, DetachedReferenceTrainer, run_pair
+from .reference import AGAINST_THE_REFERENCE, LOSS_TYPES, assert_matches_the_reference, run_pair
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize(
-    "prompt_gradient, reference_class",
-    [("exact", GRPOTrainer), ("detach", DetachedReferenceTrainer)],
-    ids=["exact-vs-stock", "detach-vs-detached-reference"],
-)
+@AGAINST_THE_REFERENCE
 def test_loss_and_gradients_match_the_reference(
     prompt_gradient, reference_class, loss_type, beta, fresh_model, tokenizer, prompt_dataset, tmp_path
 ):
@@ -28,8 +24,7 @@ def test_loss_and_gradients_match_the_reference(
         beta=beta,
         prompt_gradient=prompt_gradient,
     )
-    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6), (loss, ref_loss)
-    assert max_relative_error(grads, ref_grads) <= 1e-4
+    assert_matches_the_reference(ref_loss, loss, ref_grads, grads)
 
 
 def test_exact_mode_float64(fresh_model, tokenizer, prompt_dataset, tmp_path):
@@ -63,5 +58,4 @@ def test_exact_mode_matches_stock_with_loss_options(setting, fresh_model, tokeni
     ref_loss, loss, ref_grads, grads = run_pair(
         GRPOTrainer, fresh_model, tokenizer, prompt_dataset, tmp_path, beta=0.04, prompt_gradient="exact", **setting
     )
-    assert torch.allclose(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    assert max_relative_error(grads, ref_grads) <= 1e-4
+    assert_matches_the_reference(ref_loss, loss, ref_grads, grads)
