@@ -109,9 +109,18 @@ def assert_matches_the_reference(ref_loss, loss, ref_grads, grads, floor_fractio
 
 
 def run_pair(
-    reference_class, fresh_model, tokenizer, prompt_dataset, tmp_path, dtype=torch.float32, model_type="qwen3", **args
+    reference_class,
+    fresh_model,
+    tokenizer,
+    prompt_dataset,
+    tmp_path,
+    dtype=torch.float32,
+    model_type="qwen3",
+    batch_shape=None,
+    **args,
 ):
-    """The reference's loss and gradients and LongStraw's `replay_and_backward`'s, on one synthetic batch."""
+    """The reference's loss and gradients and LongStraw's `replay_and_backward`'s, on one synthetic batch
+    (`synthetic_inputs`, of `batch_shape`: its prompt and completion lengths)."""
     model = fresh_model(model_type=model_type, dtype=dtype)
     reference = make_trainer(
         reference_class, copy.deepcopy(model), tokenizer, prompt_dataset, tmp_path / "ref", **args
@@ -126,7 +135,7 @@ def run_pair(
         attention_chunk_size=3,
         **args,
     )
-    inputs = add_old_and_ref_logps(reference, synthetic_inputs(len(tokenizer)))
+    inputs = add_old_and_ref_logps(reference, synthetic_inputs(len(tokenizer), **(batch_shape or {})))
     if dtype == torch.float64:
         inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
     ref_loss = reference.compute_loss(reference.model, inputs)

@@ -65,6 +65,45 @@ def test_loss_and_gradients_match_the_reference(
     assert_matches_the_reference(ref_loss, loss, ref_grads, grads, floor_fraction=1e-3)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe"])
+def test_a_one_token_prompt_and_an_empty_member_count_as_in_stock(
+    model_type, fresh_model, tokenizer, prompt_dataset, tmp_path
+):
+    """A one-token prompt captures nothing (zero sums); an empty member still routes its last prompt token."""
+    ref_loss, loss, ref_grads, grads = run_pair(
+        GRPOTrainer,
+        fresh_model,
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        model_type=model_type,
+        batch_shape={"prompt_lengths": (1, 7), "completion_lengths": ((6, 0, 5), (2, 6, 1))},
+        router_aux_loss_coef=COEF,
+        prompt_gradient="exact",
+    )
+    assert_matches_the_reference(ref_loss, loss, ref_grads, grads, floor_fraction=1e-3)
+
+
+@pytest.mark.slow
+def test_reentrant_checkpointing_gives_the_loss_no_gradient_as_in_stock(tokenizer, prompt_dataset, tmp_path):
+    """Reentrant checkpointing runs the router under no_grad: stock's load-balancing loss gets no gradient, so
+    LongStraw's does not either (it warns), in the replay and in exact mode's prompt backward."""
+    from trl_longstraw.embedded import build_model
+
+    path = tmp_path / "qwen3_moe"
+    build_model("qwen3_moe", seed=0).save_pretrained(path)
+    settings = {
+        "router_aux_loss_coef": COEF,
+        "max_steps": 2,
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_kwargs": {"use_reentrant": True},
+    }
+    stock = train_run(GRPOTrainer, path, tokenizer, prompt_dataset, tmp_path, **settings)
+    with pytest.warns(UserWarning, match="load-balancing loss gets no gradient"):
+        ours = train_run(LongStrawGRPOTrainer, path, tokenizer, prompt_dataset, tmp_path, **settings)
+    assert_same_run(stock, ours)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
 def test_exact_mode_trains_like_stock(model_type, tokenizer, prompt_dataset, tmp_path):

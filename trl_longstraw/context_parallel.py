@@ -18,7 +18,7 @@ this imbalance costs time only on the ranks that serve, never memory.
 
 Capture (`ContextParallelEngine.capture`): shard by shard, in rank order. The owner of the current shard runs its
 chunks through the model; at each attention layer but the last (whose attention a capture skips:
-`StateAccess.output_unread`) it broadcasts the chunk's queries (one chunk: `prefill_chunk_size`
+`StateAccess.output_unread`, unless the MoE load-balancing loss reads every layer's output) it broadcasts the chunk's queries (one chunk: `prefill_chunk_size`
 tokens) and every rank computes the partial attention of those queries over its own pages (the owner over its pages
 so far plus the chunk's own keys, causal; a rank whose shard is not captured yet contributes `lse = -inf`); the
 partials are merged on every rank. Meanwhile the other ranks run `ShardedPromptState.serve`, the matching loop, until
@@ -892,6 +892,8 @@ class ContextParallelEngine(LongStrawEngine):
             exact=self.prompt_gradient == "exact",
             fp8_pages=self.prompt_state_dtype == "float8_e4m3fn",
         )
+        if self.routing is not None:
+            state.router_load = RouterLoad.zeros(self.routing, self._device(model))
         for owner in range(cp.size):
             if owner != cp.rank:
                 state.serve(owner, self.attention_chunk_size, self._device(model))

@@ -165,6 +165,8 @@ class LongStrawEngine:
             exact=self.prompt_gradient == "exact",
             fp8_pages=self.prompt_state_dtype == "float8_e4m3fn",
         )
+        if self.routing is not None:
+            state.router_load = RouterLoad.zeros(self.routing, self._device(model))
         for chunk_index, start in enumerate(range(0, num_tokens, self.prefill_chunk_size)):
             end = min(start + self.prefill_chunk_size, num_tokens)
             _, load = self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk_index)

@@ -78,6 +78,12 @@ class RouterLoad:
             probs = probs + (weights.float() * flat_mask.unsqueeze(-1)).sum(dim=0)
         return cls(counts, probs, flat_mask.sum() * len(router_logits))
 
+    @classmethod
+    def zeros(cls, routing: MoeRouting, device: torch.device) -> RouterLoad:
+        """The sums over no token (a one-token prompt captures none)."""
+        zeros = torch.zeros(routing.num_experts, dtype=torch.float32, device=device)
+        return cls(zeros, zeros.clone(), torch.zeros((), dtype=torch.float32, device=device))
+
     def __add__(self, other: RouterLoad) -> RouterLoad:
         return RouterLoad(self.counts + other.counts, self.probs + other.probs, self.rows + other.rows)
 

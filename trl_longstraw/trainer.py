@@ -13,6 +13,7 @@ it returns them as the outputs of a [`~trl_longstraw.loss.ReplayedScores`] node,
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -477,7 +478,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         gradient, zeros if nothing reached it this step (AdamW skips a parameter whose `.grad` is None: no step
         count, no weight decay). In exact mode each replayed group then pushes its state's gradient into the
         parameters (`backward_prompt`), with the load-balancing loss's share through its prompt tokens' routing
-        (once per row of the group, as each of stock's rows carries the prompt).
+        (once per row of the group, as each of stock's rows carries the prompt). Under reentrant activation
+        checkpointing the router logits carry no graph (in stock too, whose loss then gets none of this gradient):
+        as in stock, the load-balancing loss then adds nothing to the gradient, prompt included.
         """
         exact = self.args.prompt_gradient == "exact"
         replayed = False
@@ -503,6 +506,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 if exact:
                     state.requires_grad_()  # its gradient buffers make it single-use: never kept
                 finite, members = [], []  # one flag per replayed member, checked once per group (no sync per member)
+                routing_detached = False
                 with self._phase("replay"):
                     for member, row in enumerate(group.rows):
                         length = group.completion_lengths[member]
@@ -519,12 +523,21 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                             )
                         finite.append(torch.isfinite(member_logps.detach()).all())
                         members.append(member)
+                        router_objective = member_load[0].objective(router_weights) if member_load else None
+                        if router_objective is not None and not router_objective.requires_grad:
+                            routing_detached, router_objective = True, None
+                            warnings.warn(
+                                "The MoE load-balancing loss gets no gradient: reentrant activation checkpointing "
+                                "runs the router inside no_grad (GRPOTrainer's loss gets none either). Set "
+                                "gradient_checkpointing_kwargs={'use_reentrant': False} to train it.",
+                                stacklevel=2,
+                            )
                         member_backward(
                             member_logps,
                             member_entropies,
                             group_grad[member, :length],
                             None if group_grad_entropies is None else group_grad_entropies[member, :length],
-                            member_load[0].objective(router_weights) if member_load else None,
+                            router_objective,
                         )
                         replayed = True
                     if finite:
@@ -535,7 +548,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                             causal_lm,
                             state,
                             group.prompt_ids,
-                            None if router_weights is None else router_weights * len(group.rows),
+                            None if router_weights is None or routing_detached else router_weights * len(group.rows),
                         )
                 else:
                     self._kept = _KeptState(group, state)

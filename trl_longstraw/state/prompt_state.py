@@ -65,12 +65,13 @@ class PromptState:
             if isinstance(layer, IndexerKeys):
                 _add_selection_hooks(layer.mixer)
         self.extends_masks = any(type(layer).extends_masks for layer in self.layers)
-        # A MoE policy trained with the load-balancing loss: the captured tokens' routing sums (load_balancing.py).
+        # A MoE policy trained with the load-balancing loss: the captured tokens' routing sums (load_balancing.py), set
+        # to zero sums by a capture that records them.
         self.router_load: RouterLoad | None = None
 
     def add_router_load(self, load: RouterLoad | None) -> None:
         if load is not None:
-            self.router_load = load if self.router_load is None else self.router_load + load
+            self.router_load = self.router_load + load
 
     @property
     def num_tokens(self) -> int:
