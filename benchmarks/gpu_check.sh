@@ -3,7 +3,8 @@
 #   OUT=/path/to/results bash benchmarks/gpu_check.sh
 # 1. CUDA correctness (<= 120 s): tests/test_gpu.py (capture + score vs a full forward, exact gradients vs a full
 #    backward, state unmutated, pinned host state, rollouts vs generate, the fused CUDA attention kernels against
-#    plain torch, bf16 under autocast) for every family of the support table; then (<= 60 s, its own step so that a
+#    plain torch, bf16 under autocast) for every family of the support table, and the MoE load-balancing loss's
+#    exact gradients (qwen3_moe, qwen3_5_moe, gpt_oss); then (<= 60 s, its own step so that a
 #    slow spawn cannot cost the rest) context parallelism with 2 ranks sharing the GPU over gloo (dense,
 #    GatedDeltaNet, MLA + DSA; rollouts) against one process. (NCCL needs a GPU per rank: not on a one-GPU machine.)
 # 2. The update sweep at GPU scale in bf16 (<= 160 s): the Qwen3.5/3.6-27B layer geometry at full width (preset

@@ -15,6 +15,7 @@ from trl_longstraw.engine import LongStrawEngine
 from .test_attention import CAUSAL, inputs, ours
 from .test_attention import test_bf16_under_autocast_accumulates_like_fp32 as bf16_autocast_check
 from .test_engine import case, full_forward, prepared
+from .test_load_balancing import check_engine_against_a_full_backward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -67,6 +68,11 @@ def test_exact_gradients_match_a_full_backward_on_cuda(model_type):
     floor = 1e-3 * torch.sqrt(sum(g.norm() ** 2 for g in want.values()))  # A_log/dt_bias: docs/design.md
     worst = max(((got[n] - want[n]).norm() / torch.maximum(want[n].norm(), floor)).item() for n in want)
     assert worst <= 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe", "gpt_oss"])
+def test_load_balancing_loss_gradients_match_a_full_backward_on_cuda(model_type):
+    check_engine_against_a_full_backward(model_type, "cuda")
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))

@@ -7,10 +7,14 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from trl import GRPOTrainer
 
 from trl_longstraw import LongStrawGRPOTrainer
-from trl_longstraw.load_balancing import MoeRouting, RouterLoad
+from trl_longstraw.embedded import build_model
+from trl_longstraw.engine import LongStrawEngine
+from trl_longstraw.load_balancing import MoeRouting, RouterLoad, moe_routing
 
+from .conftest import max_relative_error
 from .reference import AGAINST_THE_REFERENCE, assert_matches_the_reference, run_pair
 from .test_drop_in import assert_same_run, train_run
+from .test_engine import case, full_forward, prepared
 
 ROUTING = MoeRouting(num_experts=6, top_k=2)
 COEF = 0.5  # large enough that the load-balancing loss's share of the gradient is far above the tolerance
@@ -46,6 +50,47 @@ def test_sums_taken_apart_give_transformers_loss_and_gradient():
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe"])
+def check_engine_against_a_full_backward(model_type: str, device: str) -> None:
+    """Exact mode at the engine: `sum(logps) + COEF * aux` from a capture, member loads and replays, against one full
+    forward per member (its router logits from the backbone) and transformers' loss over all of them."""
+    model = prepared(build_model(model_type)).to(device)
+    routing = moe_routing(model)
+    prompt, completions, lengths = (t.to(device) for t in case(prompt_length=40))
+    want_logps, _ = full_forward(model, prompt, completions, lengths)
+    router_logits, routed = [], []
+    for completion, length in zip(completions, lengths, strict=True):
+        out = model.base_model(input_ids=torch.cat([prompt, completion])[None], output_router_logits=True)
+        router_logits.append(out.router_logits)
+        routed.append(torch.cat([torch.ones(prompt.numel() + int(length)), torch.zeros(len(completion) - length)]))
+    config = model.config.get_text_config()
+    layers = tuple(torch.cat(layer) for layer in zip(*router_logits, strict=True))
+    want_aux = load_balancing_loss_func(layers, config.num_experts, config.num_experts_per_tok, torch.cat(routed))
+    (want_logps.sum() + COEF * want_aux).backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    engine = LongStrawEngine(16, 12, prompt_gradient="exact", routing=routing)
+    state = engine.capture(model, prompt, 0).requires_grad_()
+    with torch.no_grad():
+        _, _, members = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=1, router_load=True)
+    total = state.router_load.times(len(completions)) + members
+    assert torch.allclose(total.loss(routing), want_aux.detach(), rtol=1e-5)
+    weights = total.weights(routing, torch.tensor(COEF, device=device))
+    for member in range(len(completions)):
+        logps, _, load = engine.replay(
+            model, state, prompt[-1:], completions[member], int(lengths[member]), router_load=True
+        )
+        (logps.sum() + load.objective(weights)).backward()
+    engine.backward_prompt(model, state, prompt, weights * len(completions))
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert max_relative_error(got, want, floor_fraction=1e-3) <= 1e-4  # A_log/dt_bias: docs/design.md
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe", "gpt_oss"])
+def test_engine_gradients_match_a_full_backward(model_type):
+    check_engine_against_a_full_backward(model_type, "cpu")
+
+
 @AGAINST_THE_REFERENCE
 def test_loss_and_gradients_match_the_reference(
     prompt_gradient, reference_class, model_type, fresh_model, tokenizer, prompt_dataset, tmp_path
@@ -88,8 +133,6 @@ def test_a_one_token_prompt_and_an_empty_member_count_as_in_stock(
 def test_reentrant_checkpointing_gives_the_loss_no_gradient_as_in_stock(tokenizer, prompt_dataset, tmp_path):
     """Reentrant checkpointing runs the router under no_grad: stock's load-balancing loss gets no gradient, so
     LongStraw's does not either (it warns), in the replay and in exact mode's prompt backward."""
-    from trl_longstraw.embedded import build_model
-
     path = tmp_path / "qwen3_moe"
     build_model("qwen3_moe", seed=0).save_pretrained(path)
     settings = {
@@ -112,8 +155,6 @@ def test_exact_mode_trains_like_stock(model_type, tokenizer, prompt_dataset, tmp
 
     (Not the GatedDeltaNet hybrid: AdamW turns its `A_log`/`dt_bias` rounding-level gradient differences into
     percent-level weight differences over steps, docs/design.md; its gradient is checked above, on one batch.)"""
-    from trl_longstraw.embedded import build_model
-
     path = tmp_path / model_type
     build_model(model_type, seed=0).save_pretrained(path)
     settings = {
