@@ -177,3 +177,20 @@ def test_exact_mode_trains_like_stock(model_type, tokenizer, prompt_dataset, tmp
         assert got[key] == pytest.approx(want[key], rel=1e-5), (key, got[key], want[key])
     assert any(entry["frac_reward_zero_std"] == 1.0 for entry in stock[0])
     assert any(entry["completions/clipped_ratio"] > 0 for entry in stock[0])
+
+
+@pytest.mark.slow
+def test_bf16_autocast_is_as_close_to_stock_as_stock_bf16(tokenizer, prompt_dataset, tmp_path):
+    """The routing sums are taken under the forward's autocast, as stock's loss is: in bf16 the logged load-balancing
+    loss and the grad norm stay as close to stock's fp32 run as stock's own bf16 run is."""
+    path = tmp_path / "qwen3_moe"
+    build_model("qwen3_moe", seed=0).save_pretrained(path)
+    args = {"max_steps": 1, "router_aux_loss_coef": COEF, "per_device_train_batch_size": 3}
+    stock_fp32 = train_run(GRPOTrainer, path, tokenizer, prompt_dataset, tmp_path / "fp32", **args)
+    stock_bf16 = train_run(GRPOTrainer, path, tokenizer, prompt_dataset, tmp_path / "bf16", bf16=True, **args)
+    ours_bf16 = train_run(LongStrawGRPOTrainer, path, tokenizer, prompt_dataset, tmp_path, bf16=True, **args)
+    assert ours_bf16[2] == stock_bf16[2]  # the same samples
+    for key in ("aux_loss", "grad_norm"):
+        want = stock_fp32[0][0][key]
+        stock_error, our_error = abs(stock_bf16[0][0][key] - want), abs(ours_bf16[0][0][key] - want)
+        assert our_error <= 2 * stock_error + 1e-3 * abs(want), (key, our_error, stock_error)
