@@ -139,8 +139,9 @@ def test_a_one_token_prompt_scores_and_replays_from_an_empty_state(family):
 
 @pytest.mark.parametrize(("family", "kind"), [("qwen3", AttentionPages), ("deepseek_v3", LatentPages)])
 def test_capture_and_recompute_skip_the_final_layers_attention(monkeypatch, family, kind):
-    """The prompt tokens' attention at the final layer feeds nothing a replay or the exact gradient reads: a capture
-    and a recompute keep that layer's state but never attend there; a replay attends at every layer."""
+    """The prompt tokens' attention at the final layer feeds nothing a replay or the exact gradient reads (without the
+    MoE load-balancing loss): a capture and a recompute keep that layer's state but never attend there; a replay
+    attends at every layer."""
     model = prepared(build_model(family, num_hidden_layers=3))
     prompt, completions, lengths = case()
     attended = []

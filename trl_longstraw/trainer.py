@@ -431,7 +431,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         Under no grad (old/reference scoring, evaluation) these are plain tensors. Under grad (TRL's `_compute_loss`
         inside `compute_loss`) they are the outputs of a [`~trl_longstraw.loss.ReplayedScores`] node: back-propagating
         any loss built on them replays each completion under autograd (`replay_backward`). A full forward of
-        `prompt + completion` under autograd never happens.
+        `prompt + completion` under autograd never happens. With `compute_aux_loss`, the third value is the MoE
+        load-balancing loss over the rows (under grad, a third output of the same node), else None.
         """
         if any(value is not None for value in multimodal_inputs.values()):
             raise ValueError("LongStrawGRPOTrainer supports text-only inputs; got multimodal tensors.")
