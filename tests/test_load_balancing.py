@@ -39,7 +39,7 @@ def test_sums_taken_apart_give_transformers_loss_and_gradient():
 
     prompt_load = RouterLoad.of(tuple(prompt), ROUTING, torch.ones(5))
     member_loads = [RouterLoad.of(tuple(own), ROUTING, m) for own, m in zip(members, member_masks, strict=True)]
-    total = prompt_load.detach().times(3) + sum(member_loads[1:], member_loads[0]).detach()
+    total = prompt_load.times(3) + sum(member_loads[1:], member_loads[0])  # loss and weights read no graph
     assert torch.allclose(total.loss(ROUTING), want, rtol=1e-6)
 
     weights = total.weights(ROUTING, torch.tensor(1.0))

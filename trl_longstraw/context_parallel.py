@@ -16,17 +16,18 @@ attention pairs on rank r are proportional to `(cp - r - 1/2) / cp^2` of `N^2` (
 ratio; `capture_attention_pairs` computes it). The capture runs shard by shard in rank order anyway (see below), so
 this imbalance costs time only on the ranks that serve, never memory.
 
-Capture (`ContextParallelEngine.capture`): shard by shard, in rank order. The owner of the current shard runs its
-chunks through the model; at each attention layer but the last (whose attention a capture skips:
-`StateAccess.output_unread`, unless the MoE load-balancing loss reads every layer's output) it broadcasts the chunk's queries (one chunk: `prefill_chunk_size`
-tokens) and every rank computes the partial attention of those queries over its own pages (the owner over its pages
-so far plus the chunk's own keys, causal; a rank whose shard is not captured yet contributes `lse = -inf`); the
-partials are merged on every rank. Meanwhile the other ranks run `ShardedPromptState.serve`, the matching loop, until
-the owner announces the end of its shard (the exact-mode recompute runs the same way, shards in reverse order, the
-owner also announcing each attention backward). Recurrent layers (GatedDeltaNet, Mamba2) are sequential: the owner
-of shard r + 1 starts from shard r's final conv/recurrent states, sent point to point; after the last shard its final
-states are broadcast, so that every rank's replay starts from the whole prompt's recurrent state. So no rank ever
-holds another rank's pages, only one chunk of another rank's queries and one chunk-sized partial at a time.
+Capture (`ContextParallelEngine.capture`): shard by shard, in rank order. The owner of the current shard runs its chunks
+through the model; at each attention layer but the last (whose attention a capture skips: `StateAccess.output_unread`,
+unless the MoE load-balancing loss reads every layer's output) it broadcasts the chunk's queries (one chunk:
+`prefill_chunk_size` tokens) and every rank computes the partial attention of those queries over its own pages (the
+owner over its pages so far plus the chunk's own keys, causal; a rank whose shard is not captured yet contributes
+`lse = -inf`); the partials are merged on every rank. Meanwhile the other ranks run `ShardedPromptState.serve`, the
+matching loop, until the owner announces the end of its shard (the exact-mode recompute runs the same way, shards in
+reverse order, the owner also announcing each attention backward). Recurrent layers (GatedDeltaNet, Mamba2) are
+sequential: the owner of shard r + 1 starts from shard r's final conv/recurrent states, sent point to point; after the
+last shard its final states are broadcast, so that every rank's replay starts from the whole prompt's recurrent state.
+So no rank ever holds another rank's pages, only one chunk of another rank's queries and one chunk-sized partial at a
+time.
 
 Replay and scoring: every rank of the group runs the same member in lockstep; each attends over its own shard's pages,
 the completion's own keys are counted on rank 0 of the group only, and `ContextParallelAttention` merges the partials
@@ -943,20 +944,7 @@ class ContextParallelEngine(LongStrawEngine):
                 for chunk_index in reversed(range(len(chunks))):
                     start, end = chunks[chunk_index]
                     chunk = chunk_index + state.chunk_offset
-                    access, load = self._backbone_forward(
-                        model, state, "recompute", prompt_ids[start:end], start, chunk
-                    )
-                    pairs = [
-                        pair
-                        for layer_state, recorded in access.recorded.items()
-                        for pair in layer_state.recompute_pairs(
-                            recorded, chunk, start - shard_start, end - shard_start
-                        )
-                    ]
-                    if router_weights is not None:
-                        pairs.append((load.objective(router_weights), torch.ones((), device=load.probs.device)))
-                    if pairs:
-                        torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
+                    self._recompute_chunk(model, state, prompt_ids, start, end, chunk, router_weights, shard_start)
                 state.end_of_shard()
                 if owner > 0:
                     state.send_recurrent_gradients(owner - 1)

@@ -360,15 +360,19 @@ class LongStrawEngine:
             for chunk_index in reversed(range(len(starts))):
                 start = starts[chunk_index]
                 end = min(start + self.prefill_chunk_size, state.num_tokens)
-                access, load = self._backbone_forward(
-                    model, state, "recompute", prompt_ids[start:end], start, chunk_index
-                )
-                pairs = [
-                    pair
-                    for layer_state, recorded in access.recorded.items()
-                    for pair in layer_state.recompute_pairs(recorded, chunk_index, start, end)
-                ]
-                if router_weights is not None:
-                    pairs.append((load.objective(router_weights), torch.ones((), device=load.probs.device)))
-                if pairs:
-                    torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
+                self._recompute_chunk(model, state, prompt_ids, start, end, chunk_index, router_weights)
+
+    def _recompute_chunk(self, model, state, prompt_ids, start, end, chunk_index, router_weights, offset=0) -> None:
+        """One chunk of the prompt backward: recompute prompt tokens `start .. end - 1` under autograd and push the
+        gradient its state entries accumulated (and with `router_weights` the load-balancing loss's share through its
+        routing) into the parameters. `offset`: where this process's state starts (its shard, under CP)."""
+        access, load = self._backbone_forward(model, state, "recompute", prompt_ids[start:end], start, chunk_index)
+        pairs = [
+            pair
+            for layer_state, recorded in access.recorded.items()
+            for pair in layer_state.recompute_pairs(recorded, chunk_index, start - offset, end - offset)
+        ]
+        if router_weights is not None:
+            pairs.append((load.objective(router_weights), torch.ones((), device=load.probs.device)))
+        if pairs:
+            torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])

@@ -91,9 +91,6 @@ class RouterLoad:
         """The sums over `copies` rows that each carry these tokens (a prompt shared by `copies` members)."""
         return RouterLoad(self.counts * copies, self.probs * copies, self.rows * copies)
 
-    def detach(self) -> RouterLoad:
-        return RouterLoad(self.counts, self.probs.detach(), self.rows)
-
     def loss(self, routing: MoeRouting) -> torch.Tensor:
         """transformers' `load_balancing_loss_func` of the tokens summed here."""
         return torch.sum((self.counts / self.rows) * (self.probs.detach() / self.rows)) * routing.num_experts
