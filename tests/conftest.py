@@ -49,7 +49,15 @@ def trainer_args(config_class, tmp_path, **overrides):
 
 
 def make_trainer(
-    trainer_class, model, tokenizer, dataset, tmp_path, peft_config=None, reward_funcs=length_reward, **overrides
+    trainer_class,
+    model,
+    tokenizer,
+    dataset,
+    tmp_path,
+    peft_config=None,
+    reward_funcs=length_reward,
+    tools=None,
+    **overrides,
 ):
     """A trainer on `model`; LongStraw-only fields are dropped for a stock trainer."""
     config_class = LongStrawGRPOConfig if issubclass(trainer_class, LongStrawGRPOTrainer) else GRPOConfig
@@ -62,6 +70,7 @@ def make_trainer(
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
+        tools=tools,
     )
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()

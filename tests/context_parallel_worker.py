@@ -15,6 +15,7 @@ from trl_longstraw.context_parallel import (
     ContextParallelEngine,
     ContextParallelError,
     ContextParallelGroup,
+    check_same_rows,
 )
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine, prepare_model
@@ -107,20 +108,28 @@ def check_family(family, mode, cp, device="cpu"):
     }
 
 
-def rollouts(engine, model, prompts, rows_per_prompt, config):
-    """Each prompt captured once, its rows decoded from the state (as the trainer does); tokens and step logits."""
+def rollouts(engine, model, prompts, rows_per_prompt, config, continuations=None):
+    """Each prompt captured once, its rows decoded from the state (as the trainer does); tokens and step logits.
+    With `continuations`, one row per continuation of the first prompt (a tool turn's rows)."""
     from trl_longstraw.rollout import PromptRows, decode, prepare_sampling
 
-    width = max(len(p) for p in prompts)
-    rows = [p for p in prompts for _ in range(rows_per_prompt)]
     device = prompts[0].device
-    padded = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=p.dtype, device=device), p]) for p in rows])
-    mask = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]).long() for p in rows]).to(device)
-    groups = [
-        PromptRows(list(range(i * rows_per_prompt, (i + 1) * rows_per_prompt)), p, engine.capture(model, p, 0))
-        for i, p in enumerate(prompts)
-    ]
-    sampling = prepare_sampling(model, config, padded, mask)
+    if continuations is None:
+        histories = [p for p in prompts for _ in range(rows_per_prompt)]
+    else:
+        histories = [torch.cat([prompts[0], c]) for c in continuations]
+    width = max(len(h) for h in histories)
+    padded = torch.stack([torch.cat([h.new_zeros(width - len(h)), h]) for h in histories])
+    mask = torch.stack([torch.cat([torch.zeros(width - len(h)), torch.ones(len(h))]).long() for h in histories])
+    if continuations is None:
+        groups = [
+            PromptRows(list(range(i * rows_per_prompt, (i + 1) * rows_per_prompt)), p, engine.capture(model, p, 0))
+            for i, p in enumerate(prompts)
+        ]
+    else:
+        state = engine.capture(model, prompts[0], 0)
+        groups = [PromptRows([row], prompts[0], state, c) for row, c in enumerate(continuations)]
+    sampling = prepare_sampling(model, config, padded, mask.to(device))
     logits = []
     torch.manual_seed(7)
     tokens = decode(engine, model, groups, padded, sampling, logits)
@@ -128,7 +137,8 @@ def rollouts(engine, model, prompts, rows_per_prompt, config):
 
 
 def check_rollout(family, cp, device="cpu"):
-    """Greedy and seeded sampling from the sharded state against the same rollouts from one process's state."""
+    """Greedy and seeded sampling from the sharded state against the same rollouts from one process's state, and
+    rows continuing the first prompt with tokens of their own (a tool turn)."""
     from transformers import GenerationConfig
 
     model = build_model(family, seed=0, **OVERRIDES.get(family, {})).to(device)
@@ -136,16 +146,18 @@ def check_rollout(family, cp, device="cpu"):
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 100, (n,), generator=generator) for n in (PROMPT_LENGTH, PROMPT_LENGTH - 6)]
     prompts = [p.to(device) for p in prompts]
+    continuations = [torch.randint(2, 100, (n,), generator=generator).to(device) for n in (7, 1)]
     results = {}
     sampled = {"do_sample": True, "temperature": 0.9, "top_k": 40}
-    for name, settings in {"greedy": {"do_sample": False}, "sampled": sampled}.items():
+    for name, settings in {"greedy": {"do_sample": False}, "sampled": sampled, "continued": sampled}.items():
         # Token 0 is suppressed: its embedding (padding_idx) is zero, so a DSA indexer query after it scores every key
         # exactly 0, a tie that any two computations of the top-k may break differently.
         config = GenerationConfig(
             max_new_tokens=9, pad_token_id=0, eos_token_id=[1], suppress_tokens=[0], disable_compile=True, **settings
         )
-        want_tokens, want_logits = rollouts(LongStrawEngine(8, 4), model, prompts, 2, config)
-        tokens, logits = rollouts(ContextParallelEngine(8, 4, context_parallel=cp), model, prompts, 2, config)
+        rows = continuations if name == "continued" else None
+        want_tokens, want_logits = rollouts(LongStrawEngine(8, 4), model, prompts, 2, config, rows)
+        tokens, logits = rollouts(ContextParallelEngine(8, 4, context_parallel=cp), model, prompts, 2, config, rows)
         results[name] = {
             "same_tokens": torch.equal(tokens, want_tokens),
             "logit_error": (logits - want_logits).abs().max().item(),
@@ -229,6 +241,16 @@ def refusal(cp, family="qwen3", prompt_length=2, model=None):
     return None
 
 
+def different_histories(cp):
+    """`check_same_rows` on rows every rank has (passes), then on rows that differ by rank: the error, or None."""
+    check_same_rows([[5, 6, 7], [5, 6]], cp)
+    try:
+        check_same_rows([[5, 6, 7 + cp.rank]], cp)
+    except ContextParallelError as error:
+        return str(error)
+    return None
+
+
 # Rollouts from a sharded state: dense, GatedDeltaNet hybrid, MLA + DSA (top-12), sliding window + sinks.
 ROLLOUT_FAMILIES = ("qwen3", "qwen3_5", "glm_moe_dsa", "gpt_oss")
 
@@ -243,6 +265,7 @@ def run(rank, world_size, init_file, cases, out_dir):
         results["indexer_communication"] = indexer_communication(cp)
         results["fp8"] = {family: check_fp8_pages(family, cp) for family in ("qwen3", "deepseek_v3")}
         results["short_prompt"] = refusal(cp)
+        results["different_histories"] = different_histories(cp)
         results["chunked"] = refusal(cp, prompt_length=PROMPT_LENGTH, model=chunked_attention_model())
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

@@ -84,7 +84,7 @@ def test_each_rank_keeps_only_its_shard(ranks, case):
 @pytest.mark.parametrize("family", ROLLOUT_FAMILIES)
 def test_rollouts_from_a_sharded_state_decode_the_single_process_tokens(ranks, family):
     for rank in ranks:
-        for sampling in ("greedy", "sampled"):
+        for sampling in ("greedy", "sampled", "continued"):
             result = rank["rollouts"][family][sampling]
             assert result["same_tokens"], sampling
             assert result["logit_error"] <= 1e-5, sampling
@@ -107,6 +107,11 @@ def test_fp8_pages_shard_too_and_score_within_fp8_rounding(ranks, family):
 def test_a_prompt_shorter_than_the_group_is_refused_naming_the_fix(ranks):
     for rank in ranks:
         assert "Lower context_parallel_size" in rank["short_prompt"]
+
+
+def test_tool_turns_whose_histories_differ_across_the_ranks_are_refused_naming_the_fix(ranks):
+    for rank in ranks:
+        assert "Make the tools deterministic" in rank["different_histories"]
 
 
 def test_layers_not_sharded_yet_are_refused_naming_the_fix(ranks):

@@ -44,8 +44,8 @@ class RecordingReward:
 
     def __call__(self, prompts, completions, **kwargs):
         self.completions.append(list(completions))
-        return [
-            1.0 if prompt == FLAT_PROMPT else float(len(set(completion)))
+        return [  # a conversational completion (a list of messages) by its text
+            1.0 if prompt == FLAT_PROMPT else float(len(set(str(completion))))
             for prompt, completion in zip(prompts, completions, strict=True)
         ]
 
@@ -60,8 +60,9 @@ def saved_model(tmp_path_factory):
     return path
 
 
-def train_run(trainer_class, saved_model, tokenizer, dataset, tmp_path, peft_config=None, **args):
-    """Train from the saved weights; returns (per-step train logs, eval logs, completions, final weights, trainer)."""
+def train_run(trainer_class, saved_model, tokenizer, dataset, tmp_path, peft_config=None, trainer_kwargs=None, **args):
+    """Train from the saved weights; returns (per-step train logs, eval logs, completions, final weights, trainer).
+    `trainer_kwargs` go to the trainer (e.g. `tools`), `args` to its config."""
     from transformers import AutoModelForCausalLM
 
     reward = RecordingReward()
@@ -80,6 +81,7 @@ def train_run(trainer_class, saved_model, tokenizer, dataset, tmp_path, peft_con
         eval_dataset=dataset if settings.get("eval_strategy", "no") != "no" else None,
         processing_class=tokenizer,
         peft_config=peft_config,
+        **(trainer_kwargs or {}),
     )
     trainer.train()
     history = trainer.state.log_history
@@ -167,6 +169,55 @@ def test_iterable_dataset_trains_like_stock(saved_model, tokenizer, prompt_datas
     stock = train_run(GRPOTrainer, saved_model, tokenizer, iterable, tmp_path, **args)
     ours = train_run(LongStrawGRPOTrainer, saved_model, tokenizer, iterable, tmp_path, **args)
     assert_same_run(stock, ours)
+
+
+@pytest.fixture(scope="module")
+def tool_calling(tmp_path_factory):
+    """A tiny Qwen3 that calls `add` at the start of about a third of its turns (saved), its tokenizer, prompts."""
+    from datasets import Dataset
+
+    from trl_longstraw.embedded import build_tool_calling_model, build_tool_calling_tokenizer
+
+    tokenizer = build_tool_calling_tokenizer()
+    path = tmp_path_factory.mktemp("model") / "tool-calling"
+    build_tool_calling_model(tokenizer).save_pretrained(path)
+    prompts = [[{"role": "user", "content": "add one and two"}], [{"role": "user", "content": "hi"}]] * 4
+    return path, tokenizer, Dataset.from_dict({"prompt": prompts})
+
+
+class Adder:
+    """An `environment_factory` environment whose one tool is `add`, counting its calls."""
+
+    def reset(self, **kwargs) -> None:
+        self.calls = 0
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.calls += 1
+        return a + b
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["tools", "environment_factory"])
+def test_tool_calling_trains_like_stock(source, tool_calling, tmp_path):
+    """GRPOTrainer's tool loop: turns after a tool result decode from the prompt's state, and the tool results are
+    scored and masked as stock scores and masks them."""
+    from trl_longstraw.embedded import add
+
+    saved, tokenizer, dataset = tool_calling
+    trainer_kwargs = {"tools": [add]} if source == "tools" else {"environment_factory": Adder}
+    args = {"max_completion_length": 96, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 3}
+    stock = train_run(GRPOTrainer, saved, tokenizer, dataset, tmp_path, trainer_kwargs=trainer_kwargs, **args)
+    ours = train_run(LongStrawGRPOTrainer, saved, tokenizer, dataset, tmp_path, trainer_kwargs=trainer_kwargs, **args)
+    assert_same_run(stock, ours)
+    assert all(log["tools/call_frequency"] > 0 for log in ours[0])
+    turns = [len(completion) for step in ours[2] for completion in step]
+    assert max(turns) >= 4  # a call, its result, another call, its result, ...
 
 
 @pytest.mark.slow
@@ -374,13 +425,15 @@ def test_callbacks_empty_cache_steps_and_profiling_keep_working(
 # LongStraw copies no TRL method: it relies on these running as stock, in this shape. `training_step` must reach
 # `compute_loss` under grad and back-propagate its result once; `_prepare_inputs` must generate through
 # `_generate_and_score_completions` and shuffle with `shuffle_sequence_dict`; `_generate` must tokenize through
-# `_tokenize_prompts` before generating. (`_compute_loss` getting its log-probs from
+# `_tokenize_prompts` before generating; `_tool_call_loop` must generate each turn through `_generate_single_turn` with
+# the row's prompt, completion and tool results. (`_compute_loss` getting its log-probs from
 # `_get_per_token_logps_and_entropies` is checked by the parity tests, loss type by loss type.) Recorded for trl 1.16.0
 # and transformers 5.24.0.
 TRL_SOURCES = {
     "GRPOTrainer.training_step": "9e18632f",
     "GRPOTrainer._prepare_inputs": "f824e7fb",
     "GRPOTrainer._generate": "2a27fdf8",
+    "GRPOTrainer._tool_call_loop": "1c501f7f",
     "Trainer.training_step": "e9760c8e",
 }
 

@@ -263,3 +263,86 @@ def test_a_one_token_prompt_decodes_from_an_empty_state_as_generate_does(family)
     assert groups[0].state.num_tokens == 0
     assert torch.equal(tokens, want_tokens)
     assert max(float((got - want).abs().max()) for got, want in zip(logits, want_logits, strict=True)) < 1e-5
+
+
+def continued_rows(model, config, seed=6):
+    """A tool turn's batch: two rows continuing one captured prompt with the same tokens, two with their own (of
+    different lengths), and two rows of another prompt with no continuation; decoded from the states and by
+    `generate` over the rows' whole left-padded histories."""
+    prompt, other, *continuations = random_prompts(model, [19, 11, 9, 1, 4], seed=seed)
+    histories = [torch.cat([prompt, c]) for c in (continuations[0], *continuations)] + [other, other]
+    torch.manual_seed(5)
+    want_tokens, want_logits = generate(model, histories, 1, config)
+    prepare_model(model)
+    engine = LongStrawEngine(8, 8)
+    state = engine.capture(model, prompt, 0)
+    rows = [PromptRows([0, 1], prompt, state, continuations[0])]
+    rows += [PromptRows([row], prompt, state, c) for row, c in zip((2, 3), continuations[1:], strict=True)]
+    rows.append(PromptRows([4, 5], other, engine.capture(model, other, 0)))
+    padded, mask = left_padded(histories, 1)
+    logits = []
+    torch.manual_seed(5)
+    tokens = decode(engine, model, rows, padded, prepare_sampling(model, config, padded, mask), logits)
+    return (tokens, logits), (want_tokens, want_logits)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_rows_continuing_a_prompt_decode_as_generate_does_from_their_whole_history(family):
+    """Greedy, past the tiny configs' sliding window of 6: `generate`'s tokens and logits."""
+    model = build_model(family, seed=0).float()
+    (tokens, logits), (want_tokens, want_logits) = continued_rows(model, generation_config())
+    assert torch.equal(tokens, want_tokens)
+    assert max(float((got - want).abs().max()) for got, want in zip(logits, want_logits, strict=True)) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "glm_moe_dsa"])
+def test_continued_rows_draw_what_generate_draws(family):
+    model = build_model(family, seed=0).float()
+    config = generation_config(do_sample=True, temperature=0.9, top_k=40, repetition_penalty=1.3, max_new_tokens=12)
+    (tokens, _), (want_tokens, _) = continued_rows(model, config)
+    assert torch.equal(tokens, want_tokens)
+    assert len(set(map(tuple, tokens.tolist()))) > 2
+
+
+def test_tool_turns_decode_from_the_first_turns_capture(tmp_path, monkeypatch):
+    """GRPOTrainer's tool loop calls the generation again with each row's prompt, completion and tool results: the
+    rows continue from the prompt's state (one capture per step, the first turn's), and each turn's first logits
+    are the model's over the row's whole history."""
+    from datasets import Dataset
+
+    import trl_longstraw.trainer as trainer_module
+    from trl_longstraw.embedded import add, build_tool_calling_model, build_tool_calling_tokenizer
+
+    tokenizer = build_tool_calling_tokenizer()
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "add one and two"}]] * 4})
+    errors = []
+
+    def checked_decode(engine, model, prompts, padded, sampling):
+        step_logits = []
+        tokens = decode(engine, model, prompts, padded, sampling, step_logits)
+        for entry in prompts:
+            if entry.continuation is not None:
+                row = entry.rows[0]
+                history = padded[row][padded[row] != tokenizer.pad_token_id]  # as GRPOTrainer passed it
+                with torch.no_grad():
+                    want = model(history[None]).logits[0, -1]
+                errors.append(float((step_logits[0][row] - want).abs().max()))
+        return tokens
+
+    monkeypatch.setattr(trainer_module, "decode", checked_decode)
+    trainer = make_trainer(
+        LongStrawGRPOTrainer,
+        build_tool_calling_model(tokenizer),
+        tokenizer,
+        dataset,
+        tmp_path,
+        tools=[add],
+        per_device_train_batch_size=GROUP_SIZE,
+        max_completion_length=96,
+        max_steps=2,
+    )
+    trainer.train()
+    steps = [log for log in trainer.state.log_history if "longstraw/capture/count" in log]
+    assert len(steps) == 2 and all(log["longstraw/capture/count"] == 1 for log in steps)
+    assert len(errors) >= 2 and max(errors) < 1e-5, errors
+    assert trainer._first_turn is None  # the prompts kept for the tool turns are released with the generation

@@ -68,6 +68,7 @@ with NCCL and the model on CUDA nothing is copied, with gloo and the model on CP
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -997,6 +998,24 @@ def build_context_parallel_group(context_parallel_size: int) -> ContextParallelG
         group = dist.new_group(ranks)
         context = group if rank in ranks else context
     return ContextParallelGroup.of(context)
+
+
+def check_same_rows(prompt_ids: list[list[int]], cp: ContextParallelGroup) -> None:
+    """The ranks of a CP group decode the same rows in lockstep, so the rows they generate from must be the same. A
+    tool-calling turn's rows carry tool results each rank computed itself: a tool or environment whose results are
+    not deterministic makes them differ, which is refused here (on every rank alike) instead of hanging in mismatched
+    collectives."""
+    digest = hashlib.sha256(repr(prompt_ids).encode()).digest()
+    value = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64)
+    low = cp.all_reduce(value.clone(), op=dist.ReduceOp.MIN, kind="rollout")
+    high = cp.all_reduce(value.clone(), op=dist.ReduceOp.MAX, kind="rollout")
+    if int(low) != int(high):
+        raise ContextParallelError(
+            f"The ranks of a context-parallel group (size {cp.size}) reached a tool-calling turn with different "
+            "histories: a tool or environment returned different results on different ranks (each rank runs the "
+            "tools). Make the tools deterministic given their arguments (seed any randomness from them), or set "
+            "context_parallel_size=1."
+        )
 
 
 def share_leader_inputs(inputs, cp: ContextParallelGroup):

@@ -7,9 +7,10 @@ single characters with a chat template, and models are built from configs with r
 from __future__ import annotations
 
 import string
+from importlib.resources import files
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 PAD, EOS = "<pad>", "<eos>"
@@ -19,17 +20,85 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character, plus `<pad>` and `<eos>`, with a minimal chat template."""
-    vocab = {PAD: 0, EOS: 1}
+def _characters(vocab: dict[str, int]) -> Tokenizer:
     for char in string.printable:
         vocab.setdefault(char, len(vocab))
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=" "))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token=EOS)
+    return tokenizer
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character, plus `<pad>` and `<eos>`, with a minimal chat template."""
+    fast = PreTrainedTokenizerFast(tokenizer_object=_characters({PAD: 0, EOS: 1}), pad_token=PAD, eos_token=EOS)
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+# Tool calling: GRPOTrainer's tool loop needs a chat template it can parse tool calls from and a model that emits them.
+TOOL_CALL = '\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'  # between <tool_call> and </tool_call>
+_CHAT_MARKERS = ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+def build_tool_calling_tokenizer() -> PreTrainedTokenizerFast:
+    """The character-level tokenizer with TRL's copy of the Qwen2.5 chat template (whose tool calls TRL knows how to
+    parse), its markers as special tokens (`<|im_end|>` ends a turn) and one whole call of [`add`] as one token."""
+    tokenizer = _characters({PAD: 0})
+    tokenizer.add_special_tokens([AddedToken(marker, special=True, normalized=False) for marker in _CHAT_MARKERS])
+    tokenizer.add_tokens([AddedToken(TOOL_CALL, normalized=False)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token="<|im_end|>")
+    fast.chat_template = (files("trl") / "chat_templates" / "qwen2_5.jinja").read_text()
+    return fast
+
+
+def build_tool_calling_model(
+    tokenizer: PreTrainedTokenizerFast, family: str = "qwen3", seed: int = 0, call_logit: float = 6.0, **overrides
+) -> torch.nn.Module:
+    """A tiny random-weight model of `family` that calls [`add`] the way a tool-calling model does: at the start of
+    an assistant turn (after `<|im_start|>assistant\\n`) it opens a tool call (with probability 0.18 for Qwen3's
+    default `call_logit`), and once open completes it (`TOOL_CALL`, `</tool_call>`, `<|im_end|>`) almost surely;
+    other tokens follow at random.
+
+    The embeddings are one-hot (hidden size above the vocabulary) and the LM head is a next-token table on them: the
+    residual stream carries the current token, which the random layers (`initializer_range` 0.04) perturb by what
+    came before it (up to ~0.2 in a next-token log-prob), so that decoding from a wrong history changes samples.
+    """
+    torch.manual_seed(seed)
+    vocab_size = len(tokenizer)
+    hidden = 128
+    config = tiny_config(
+        family,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=0,
+        **{"initializer_range": 0.04, **overrides},
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    next_token = {
+        "\n": ("<tool_call>", call_logit),
+        "<tool_call>": (TOOL_CALL, 30.0),
+        TOOL_CALL: ("</tool_call>", 30.0),
+        "</tool_call>": ("<|im_end|>", 30.0),
+    }
+    head = torch.zeros(vocab_size, hidden)
+    for current, (following, logit) in next_token.items():
+        head[tokenizer.convert_tokens_to_ids(following), tokenizer.convert_tokens_to_ids(current)] = logit
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(torch.eye(vocab_size, hidden))
+        model.get_output_embeddings().weight.copy_(head / hidden**0.5)  # the final norm scales a one-hot by sqrt(h)
+    return model
 
 
 # Tiny configs per family (random weights; attention dropout 0 everywhere). MoE families set their

@@ -4,7 +4,8 @@ TRL's transformers path repeats each prompt G times, prefills every copy and kee
 prompt is captured once ([`LongStrawEngine.capture`], the same capture the update reads) and its rows decode together:
 every row attends to the prompt's read-only pages, shared by all rows (never copied), and to its own decoded tokens,
 kept in a [`Suffix`] (one row's worth of K/V, latents, indexer keys and recurrent states). Decode memory per prompt is
-one prompt state plus its rows' suffixes.
+one prompt state plus its rows' suffixes. A row may carry tokens of its own after the prompt (a tool-calling turn's
+earlier completion and tool results, [`PromptRows.continuation`]): its first forward feeds them into its suffix.
 
 Sampling is `generate`'s own: the generation config is prepared, and the logits processors and stopping criteria are
 built, by the model's `GenerationMixin` helpers from the same `GenerationConfig` `GRPOTrainer` passes to `generate`
@@ -131,11 +132,17 @@ def prepare_sampling(
 
 @dataclass
 class PromptRows:
-    """The rows of a generation batch that share one prompt, and that prompt's captured state."""
+    """The rows of a generation batch that share one prompt, and that prompt's captured state.
+
+    `continuation` (tokens every one of these rows has after `prompt_ids`: a tool-calling turn's earlier completion
+    and tool results) is fed on top of the state in the rollout's first forward, so a multi-turn row reads the
+    prompt's pages instead of a capture of its own whole history.
+    """
 
     rows: list[int]
     prompt_ids: torch.Tensor  # [P] real tokens
     state: PromptState
+    continuation: torch.Tensor | None = None  # [C] real tokens after prompt_ids
 
 
 def decode(
@@ -156,9 +163,12 @@ def decode(
     batch = padded_prompts.shape[0]
     device = padded_prompts.device
     capacity = sampling.config.max_length - padded_prompts.shape[1]
-    suffixes = [Suffix(len(p.rows), capacity, p.state.start_position + p.state.num_tokens) for p in prompts]
+    inputs = [_first_input(p).to(device).expand(len(p.rows), -1) for p in prompts]
+    suffixes = [
+        Suffix(len(p.rows), capacity + first.shape[1] - 1, p.state.start_position + p.state.num_tokens)
+        for p, first in zip(prompts, inputs, strict=True)
+    ]
     row_index = [torch.tensor(p.rows, device=device) for p in prompts]
-    inputs = [p.prompt_ids[-1:].to(device).expand(len(p.rows), 1) for p in prompts]
     input_ids = padded_prompts
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
     while True:
@@ -184,3 +194,10 @@ def decode(
             break
         inputs = [next_tokens[rows, None] for rows in row_index]
     return input_ids[:, padded_prompts.shape[1] :]
+
+
+def _first_input(prompt: PromptRows) -> torch.Tensor:
+    """The tokens of a row's first rollout forward: the prompt's last token (the state holds the others), then the
+    continuation, if any."""
+    last = prompt.prompt_ids[-1:]
+    return last[None] if prompt.continuation is None else torch.cat([last, prompt.continuation.to(last.device)])[None]

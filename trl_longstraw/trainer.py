@@ -35,6 +35,7 @@ from .context_parallel import (
     SharedRowsSampler,
     build_context_parallel_group,
     check_prompt_length,
+    check_same_rows,
     share_leader_inputs,
 )
 from .distributed import average_gradients
@@ -250,6 +251,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             self.accelerator.device, enabled=args.log_phase_metrics, synchronize=args.sync_phase_metrics
         )
         self._kept: _KeptState | None = None
+        self._first_turn: dict[tuple[int, ...], PromptRows] | None = None  # a generation's prompts, for its tool turns
         self._reached: list[torch.nn.Parameter] | None = None
         self.rollout_from_prompt_state = self._resolve_rollout(args)
         if self._context_parallel is not None and self.eval_dataset is not None:  # refused now, not when evaluating
@@ -619,7 +621,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
         The batch is what `generate` would get (left-padded to `pad_to_multiple_of`); see `trl_longstraw.rollout`. The
         state of an unpadded prompt stays kept: on policy, scoring and the update of its rows read it without a new
-        capture.
+        capture. With tools, the first turn's states stay alive through GRPOTrainer's tool loop, whose turns (a row's
+        prompt, then its completion and tool results so far) decode from their prompt's state with the rest of the
+        row as a continuation: no turn captures the prompt again.
         """
         if not self.rollout_from_prompt_state:
             return super()._generate_single_turn(
@@ -642,7 +646,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         rows_of: dict[tuple[int, ...], list[int]] = {}
         for row, ids in enumerate(prompt_ids):
             rows_of.setdefault(tuple(ids), []).append(row)
-        self._kept = None
+        tool_turn = self._first_turn is not None
+        if not tool_turn:
+            self._kept = None
+        elif self._context_parallel is not None:
+            check_same_rows(prompt_ids, self._context_parallel)
         with (
             unwrap_model_for_generation(
                 self.model_wrapped,
@@ -655,22 +663,25 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         ):
             causal_lm = self._causal_lm(unwrapped_model)
             sampling = prepare_sampling(causal_lm, self.generation_config, padded, mask)
-            groups, prompt_rows = [], []
-            for index, (ids, rows) in enumerate(rows_of.items()):
+            prompt_rows, continued_prompts = [], set()
+            for ids, rows in rows_of.items():
+                prompt = self._continued_prompt(ids) if tool_turn else None
+                if prompt is not None:
+                    continued = self._first_turn[prompt]
+                    continuation = torch.tensor(ids[len(prompt) :], device=device)
+                    prompt_rows.append(PromptRows(rows, continued.prompt_ids, continued.state, continuation))
+                    continued_prompts.add(prompt)
+                    continue
                 group = PromptGroup(
-                    index, rows, torch.tensor(ids, device=device), first_position=0, completion_lengths=[]
+                    len(prompt_rows), rows, torch.tensor(ids, device=device), first_position=0, completion_lengths=[]
                 )
-                state = self._capture(causal_lm, group, "capture")
-                groups.append(group)
-                prompt_rows.append(PromptRows(rows, group.prompt_ids, state))
-                del state
+                prompt_rows.append(PromptRows(rows, group.prompt_ids, self._capture(causal_lm, group, "capture")))
+            if tool_turn:  # a row that stopped calling tools left the loop: its prompt is never continued again
+                self._first_turn = {p: self._first_turn[p] for p in continued_prompts}
             with self._phase("rollout"), self.accelerator.autocast():
                 completion_ids = decode(self.engine, causal_lm, prompt_rows, padded, sampling)
-            # Scoring numbers positions as stock's padded forward does: only an unpadded prompt's state (the batch's
-            # widest, without pad_to_multiple_of padding) can serve it; keep that one, or none.
-            reusable = [i for i, group in enumerate(groups) if len(group.prompt_ids) == padded.shape[1]]
-            if reusable:
-                self._kept = _KeptState(groups[reusable[-1]], prompt_rows[reusable[-1]].state)
+            if not tool_turn:
+                self._keep_first_turn(dict(zip(rows_of, prompt_rows, strict=True)), padded.shape[1])
             del prompt_rows
         # Everything after a row's first EOS goes, as in GRPOTrainer's transformers path.
         is_eos = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=completion_ids.device))
@@ -678,6 +689,34 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         keep = torch.arange(is_eos.shape[1], device=is_eos.device)[None, :] <= first_eos[:, None]
         completion_ids = [c[m].tolist() for c, m in zip(completion_ids.cpu(), keep.cpu(), strict=True)]
         return completion_ids, None
+
+    def _keep_first_turn(self, prompt_rows: dict[tuple[int, ...], PromptRows], padded_width: int) -> None:
+        """After a generation's first turn: keep the state scoring can reuse, and with tools every prompt's state
+        for the tool loop's turns.
+
+        Scoring numbers positions as stock's padded forward does: only an unpadded prompt's state (the batch's widest,
+        without pad_to_multiple_of padding) can serve it; keep that one, or none."""
+        reusable = [entry for entry in prompt_rows.values() if len(entry.prompt_ids) == padded_width]
+        if reusable:
+            rows, prompt_ids = reusable[-1].rows, reusable[-1].prompt_ids
+            group = PromptGroup(0, rows, prompt_ids, first_position=0, completion_lengths=[])
+            self._kept = _KeptState(group, reusable[-1].state)
+        if self.tools:
+            self._first_turn = prompt_rows
+
+    def _continued_prompt(self, ids: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The kept prompt that a tool turn's row (`ids`: that prompt, then its completion and tool results so far)
+        continues (the longest, if one prompt starts another), or None."""
+        continued = [prompt for prompt in self._first_turn if len(ids) > len(prompt) and ids[: len(prompt)] == prompt]
+        return max(continued, key=len) if continued else None
+
+    def _generate(self, prompts: list):
+        """GRPOTrainer's generation (first turn, then the tool loop); the prompt states kept for its tool turns are
+        released when it ends, before scoring."""
+        try:
+            return super()._generate(prompts)
+        finally:
+            self._first_turn = None
 
     def _get_train_sampler(self, dataset=None):
         """TRL's sampler; under context parallelism one set of rows per CP group (`SharedRowsSampler`)."""
