@@ -140,6 +140,21 @@ KNOBS = {
         "per_device_eval_batch_size": 4,
         "beta": 0.04,
     },
+    # the fused head divides the logits by the sampling temperature; left padding to a multiple changes positions
+    "sampling-temperature-top-p-top-k": {"temperature": 0.7, "top_p": 0.9, "top_k": 20},
+    "pad-to-multiple-of": {"pad_to_multiple_of": 8},
+    "lm-head-in-fp32": {"cast_lm_head_to_fp32": True},
+    "adaptive-entropy-bonus": {"use_adaptive_entropy": True, "entropy_coef": 0.05},
+    "activation-checkpointing": {"gradient_checkpointing": True},
+    # the reference model is mixed into from the policy every step: each reference capture must read its new weights
+    "reference-model-sync": {
+        "beta": 0.04,
+        "sync_ref_model": True,
+        "ref_model_sync_steps": 1,
+        "ref_model_mixup_alpha": 0.5,
+    },
+    # TRL's generation backend (with the model's own attention), LongStraw's scoring and update
+    "transformers-continuous-batching": {"use_transformers_continuous_batching": True, "max_steps": 2},
     # bnpo normalises by the micro-batch's token count: the split into micro-steps must be stock's
     "bnpo-group-spans-micro-steps": {
         "loss_type": "bnpo",

@@ -346,3 +346,23 @@ def test_tool_turns_decode_from_the_first_turns_capture(tmp_path, monkeypatch):
     assert len(steps) == 2 and all(log["longstraw/capture/count"] == 1 for log in steps)
     assert len(errors) >= 2 and max(errors) < 1e-5, errors
     assert trainer._first_turn is None  # the prompts kept for the tool turns are released with the generation
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_trls_continuous_batching_generates_with_the_models_own_attention(family, tokenizer, prompt_dataset, tmp_path):
+    """transformers' continuous batching accepts attention implementations by name: TRL's generation runs with the
+    model's own (SDPA, or eager for attention sinks), and LongStraw's is back for scoring and the update."""
+    trainer = make_trainer(
+        LongStrawGRPOTrainer,
+        build_model(family, seed=0),
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        per_device_train_batch_size=GROUP_SIZE,
+        max_steps=1,
+        use_transformers_continuous_batching=True,
+    )
+    assert not trainer.rollout_from_prompt_state
+    trainer.train()
+    assert trainer.model.config._attn_implementation == "longstraw"
+    assert trainer.state.log_history[0]["longstraw/capture/count"] >= 1

@@ -83,6 +83,21 @@ def prepare_model(model: nn.Module) -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def stock_attention(model: nn.Module) -> Iterator[None]:
+    """The model's own attention implementation (SDPA where the model supports it, else eager) instead of LongStraw's,
+    for generation by TRL's backends: transformers' continuous batching accepts implementations by name. LongStraw's
+    is restored after."""
+    try:
+        model.set_attn_implementation("sdpa")
+    except ValueError:  # a model SDPA cannot express (attention sinks, logit soft-capping)
+        model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
+
+
 def check_prepared(model: nn.Module) -> None:
     implementation = model.config.get_text_config()._attn_implementation
     if implementation != ATTENTION_IMPLEMENTATION:

@@ -39,7 +39,7 @@ from .context_parallel import (
     share_leader_inputs,
 )
 from .distributed import average_gradients
-from .engine import ensure_finite, non_finite_error, weights_version
+from .engine import ensure_finite, non_finite_error, stock_attention, weights_version
 from .load_balancing import moe_routing
 from .loss import member_backward, replayed_scores
 from .rollout import PromptRows, UnsupportedRolloutError, check_generation_config, decode, prepare_sampling
@@ -625,10 +625,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         prompt, then its completion and tool results so far) decode from their prompt's state with the rest of the
         row as a continuation: no turn captures the prompt again.
         """
-        if not self.rollout_from_prompt_state:
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
-            )
+        if not self.rollout_from_prompt_state:  # TRL's generation, with the model's own attention
+            with stock_attention(self._causal_lm(self.model)):
+                return super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
+                )
         device = self.accelerator.device
         prompts = [torch.tensor(ids) for ids in prompt_ids]
         padded = pad(
