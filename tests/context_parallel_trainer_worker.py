@@ -4,7 +4,9 @@
 The CP group draws the rows one process draws (`SharedRowsSampler`: a generation batch of one prompt, from the same
 seed), so the two runs must take the same optimizer step; each rank also reports the first rows a fresh dataloader
 hands it, which must be the same on both ranks, and then evaluates: the CP group must evaluate every eval prompt once
-per member, as one process does. A MoE family with an expert count trains with TRL's load-balancing loss.
+per member, as one process does. A MoE family with an expert count trains with TRL's load-balancing loss;
+"tool_calling" is the embedded tool-calling Qwen3 with `tools=[add]`, its prompts conversational: every rank runs the
+tools, and the tool turns decode from the sharded prompt state.
 """
 
 import sys
@@ -15,7 +17,13 @@ import torch.distributed as dist
 from datasets import Dataset
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
-from trl_longstraw.embedded import build_model, build_tokenizer
+from trl_longstraw.embedded import (
+    add,
+    build_model,
+    build_tokenizer,
+    build_tool_calling_model,
+    build_tool_calling_tokenizer,
+)
 
 PROMPTS = [f"the key is {4217 + i}. " + "lorem ipsum " * (i % 3 + 1) + "what is the key?" for i in range(8)]
 
@@ -25,17 +33,22 @@ SEEN_PROMPTS: list[str] = []
 
 
 def char_code_reward(prompts, completions, **kwargs):
-    SEEN_PROMPTS.extend(prompts)
-    return [float(sum(map(ord, completion)) % 7) for completion in completions]
+    SEEN_PROMPTS.extend(map(str, prompts))
+    return [float(sum(map(ord, str(completion))) % 7) for completion in completions]
+
+
+def conversational(prompts: list[str]) -> Dataset:
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": prompt}] for prompt in prompts]})
 
 
 def step(prompt_gradient: str, context_parallel_size: int, family: str) -> dict:
+    tools = family == "tool_calling"  # ~750 prompt tokens (the tool schema), room for a call and its result
     args = LongStrawGRPOConfig(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=3,
         per_device_eval_batch_size=3,
         num_generations=3,
-        max_completion_length=5,
+        max_completion_length=48 if tools else 5,
         max_steps=1,
         learning_rate=1e-2,
         logging_steps=1,
@@ -45,25 +58,35 @@ def step(prompt_gradient: str, context_parallel_size: int, family: str) -> dict:
         use_cpu=True,
         seed=0,
         prompt_gradient=prompt_gradient,
-        prefill_chunk_size=8,
-        attention_chunk_size=8,
+        prefill_chunk_size=128 if tools else 8,
+        attention_chunk_size=128 if tools else 8,
         context_parallel_size=context_parallel_size,
         router_aux_loss_coef=0.5 if family == "qwen3_moe" else None,
     )
-    model = build_model(family, seed=0)
+    if tools:
+        tokenizer = build_tool_calling_tokenizer()
+        model, dataset, eval_dataset = (
+            build_tool_calling_model(tokenizer),
+            conversational(PROMPTS),
+            conversational(EVAL_PROMPTS),
+        )
+    else:
+        tokenizer, model = build_tokenizer(), build_model(family, seed=0)
+        dataset, eval_dataset = Dataset.from_dict({"prompt": PROMPTS}), Dataset.from_dict({"prompt": EVAL_PROMPTS})
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     trainer = LongStrawGRPOTrainer(
         model=model,
         reward_funcs=char_code_reward,
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        processing_class=build_tokenizer(),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        tools=[add] if tools else None,
     )
     trainer.train()
     logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
     first_rows = [row["prompt"] for row in next(iter(trainer.get_train_dataloader()))]  # after training: no effect
     SEEN_PROMPTS.clear()
-    metrics = trainer.evaluate(Dataset.from_dict({"prompt": EVAL_PROMPTS}))
+    metrics = trainer.evaluate(eval_dataset)
     return {
         "eval_prompts": sorted(SEEN_PROMPTS),
         "eval_reward": metrics["eval_reward"],
@@ -74,6 +97,7 @@ def step(prompt_gradient: str, context_parallel_size: int, family: str) -> dict:
         "loss": logged["loss"],
         "grad_norm": logged["grad_norm"],
         "rollouts": logged.get("longstraw/rollout/count"),
+        "tool_calls": logged.get("tools/call_frequency"),
     }
 
 
