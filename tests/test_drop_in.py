@@ -188,7 +188,7 @@ def test_iterable_dataset_trains_like_stock(saved_model, tokenizer, prompt_datas
 
 @pytest.fixture(scope="module")
 def tool_calling(tmp_path_factory):
-    """A tiny Qwen3 that calls `add` at the start of about a third of its turns (saved), its tokenizer, prompts."""
+    """A tiny Qwen3 that calls `add` at the start of about a fifth of its turns (saved), its tokenizer, prompts."""
     from datasets import Dataset
 
     from trl_longstraw.embedded import build_tool_calling_model, build_tool_calling_tokenizer

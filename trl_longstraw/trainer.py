@@ -623,7 +623,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         state of an unpadded prompt stays kept: on policy, scoring and the update of its rows read it without a new
         capture. With tools, the first turn's states stay alive through GRPOTrainer's tool loop, whose turns (a row's
         prompt, then its completion and tool results so far) decode from their prompt's state with the rest of the
-        row as a continuation: no turn captures the prompt again.
+        row as a continuation: no turn captures the prompt again. (A `rollout_func` generates the first turn itself:
+        its first tool turn captures each history, and later turns continue from those.)
         """
         if not self.rollout_from_prompt_state:  # TRL's generation, with the model's own attention
             with stock_attention(self._causal_lm(self.model)):
