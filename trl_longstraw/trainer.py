@@ -651,7 +651,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         tool_turn = self._first_turn is not None
         if not tool_turn:
             self._kept = None
-        if self._context_parallel is not None:  # a tool turn's rows carry tool results each rank computed itself
+        if self._context_parallel is not None and self.tools:  # tool results are computed by each rank itself
             check_same_rows(prompt_ids, self._context_parallel)
         with (
             unwrap_model_for_generation(
