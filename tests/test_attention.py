@@ -29,16 +29,18 @@ def inputs(dtype, seed=0, value_dim=DIM):
     return q, prefix_k, prefix_v, own_k, own_v, sinks
 
 
-def ours(q, prefix_k, prefix_v, own_k, own_v, sinks, visibility, chunk, softcap=None, selection=None):
+def ours(q, prefix_k, prefix_v, own_k, own_v, sinks, visibility, chunk, softcap=None, picked=None):
+    """`picked [batch, tokens, k]`: a DSA top-k in key indices over [prompt keys, own keys], as MLA passes it."""
     q_positions = torch.arange(PREFIX, PREFIX + TOKENS, device=q.device)
+    own_picked = None if picked is None else picked - PREFIX
     blocks = [
-        (prefix_k, prefix_v, KeyBlock(torch.arange(PREFIX, device=q.device), shared=True, selection=selection)),
-        (own_k, own_v, KeyBlock(q_positions, shared=False)),
+        (prefix_k, prefix_v, KeyBlock(torch.arange(PREFIX, device=q.device), shared=True, picked=picked)),
+        (own_k, own_v, KeyBlock(q_positions, shared=False, picked=own_picked)),
     ]
     return attention_over_blocks(q, blocks, q_positions, 0.3, visibility, chunk, softcap=softcap, sinks=sinks)
 
 
-def reference(q, prefix_k, prefix_v, own_k, own_v, sinks, visibility, softcap=None, selection=None):
+def reference(q, prefix_k, prefix_v, own_k, own_v, sinks, visibility, softcap=None, picked=None):
     """Plain softmax over [prompt keys, own keys] per batch row, kv heads repeated, masked by absolute position."""
     groups = HEADS // KV_HEADS
     outs = []
@@ -55,8 +57,8 @@ def reference(q, prefix_k, prefix_v, own_k, own_v, sinks, visibility, softcap=No
         if visibility.chunk_size is not None:
             size, origin = visibility.chunk_size, visibility.chunk_origin
             visible &= (k_pos[None, :] - origin) // size == (q_pos[:, None] - origin) // size
-        if selection is not None:
-            visible = visible & torch.cat([selection(0, PREFIX)[b], torch.ones(TOKENS, TOKENS, dtype=bool)], -1)
+        if picked is not None:  # a mask over every key, as transformers applies a DSA top-k
+            visible = visible & torch.zeros(TOKENS, PREFIX + TOKENS, dtype=torch.bool).scatter(-1, picked[b], True)
         scores = scores.masked_fill(~visible, float("-inf"))
         if sinks is not None:
             scores = torch.cat([scores, sinks[:, None, None].expand(HEADS, TOKENS, 1)], dim=-1)
@@ -150,17 +152,55 @@ def test_value_head_narrower_than_the_key_head():
     assert torch.allclose(got.double(), want, atol=1e-5)
 
 
-def test_dsa_selection_restricts_the_prompt_keys():
-    generator = torch.Generator().manual_seed(1)
-    picked = torch.rand(BATCH, TOKENS, PREFIX, generator=generator) > 0.5
+def top_k(k: int, seed: int = 1) -> torch.Tensor:
+    """A DSA-like top-k `[batch, tokens, k]` over [prompt keys, own keys]: each token's own key and `k - 1` others,
+    some of them later tokens (invisible: a top-k over fewer visible keys than `k` picks some, masked)."""
+    generator = torch.Generator().manual_seed(seed)
+    picked = torch.empty(BATCH, TOKENS, k, dtype=torch.long)
+    for b in range(BATCH):
+        for t in range(TOKENS):
+            others = torch.randperm(PREFIX + TOKENS, generator=generator)
+            picked[b, t] = torch.cat([torch.tensor([PREFIX + t]), others[others != PREFIX + t][: k - 1]])
+    return picked
 
-    def selection(start, end):
-        return picked[..., start:end]
 
+@pytest.mark.parametrize("softcap", [None, 1.5])
+@pytest.mark.parametrize("visibility", ["causal", "window"])
+@pytest.mark.parametrize("chunk", [1, 64])  # 1: one query token per gathering step
+def test_dsa_top_k_reads_only_the_picked_keys(chunk, visibility, softcap):
+    """The gathered path (each token's picked keys only) equals a softmax over every key masked by the top-k."""
     tensors = inputs(torch.float64)
-    got = ours(*tensors[:5], None, CAUSAL, 4, selection=selection)
-    want = reference(*tensors[:5], None, CAUSAL, selection=selection)
+    picked = top_k(6)
+    got = ours(*tensors[:5], None, VISIBILITIES[visibility], chunk, softcap, picked=picked)
+    want = reference(*tensors[:5], None, VISIBILITIES[visibility], softcap, picked=picked)
     assert torch.allclose(got, want, atol=1e-12)
+
+
+@pytest.mark.parametrize("softcap", [None, 1.5])
+@pytest.mark.parametrize("chunk", [1, 64])
+def test_dsa_top_k_gradients_float64(chunk, softcap):
+    """gradcheck of the gathered path: queries, prompt and own keys and values (gradients scattered back to the
+    picked entries, summed where several tokens picked one), and sinks."""
+    tensors = inputs(torch.float64)
+    picked = top_k(6, seed=2)
+
+    def fn(*tensors):
+        return ours(*tensors, VISIBILITIES["window"], chunk, softcap, picked=picked)
+
+    assert torch.autograd.gradcheck(fn, tensors, fast_mode=True, atol=1e-8, rtol=1e-5)
+
+
+def test_dsa_top_k_agrees_in_float32_with_float64():
+    """fp32 through the gathered path (no fused kernel takes a top-k) against float64: output and gradients."""
+    picked = top_k(6, seed=3)
+    grad_out = torch.randn(BATCH, HEADS, TOKENS, DIM, dtype=torch.float64)
+    results = []
+    for tensors in (inputs(torch.float32), inputs(torch.float64)):
+        out = ours(*tensors[:5], None, CAUSAL, 4, picked=picked)
+        out.backward(grad_out.to(out.dtype))
+        results.append([out.double()] + [t.grad.double() for t in tensors[:5]])
+    for single, double in zip(*results, strict=True):
+        assert torch.allclose(single, double, atol=2e-5, rtol=1e-4), (single - double).abs().max()
 
 
 def test_merge_by_lse_keeps_rows_that_saw_no_key_at_zero():

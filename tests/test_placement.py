@@ -31,11 +31,22 @@ def test_fp8_pages_round_each_entry_within_its_page_scale():
     values = spread_values()
     pages = Pages(Placement("cpu"), 300, fp8=True)
     pages.append(values)
-    restored = dequantize_pages(pages.data, pages.scales, 0, FP8_PAGE_TOKENS, torch.float32)
+    restored = dequantize_pages(pages.data, pages.scales, torch.arange(300), FP8_PAGE_TOKENS, torch.float32)
     per_token_amax = (pages.scales * FP8_MAX).repeat_interleave(FP8_PAGE_TOKENS, dim=1)[:, :300, None]
     # e4m3 keeps 3 mantissa bits: an entry is off by at most 2^-4 of the largest value of its page (and head)
     assert torch.all((restored - values).abs() <= per_token_amax * 2**-4 + 1e-12)
     assert pages.data.dtype == torch.float8_e4m3fn and pages.scales.shape == (2, -(-300 // FP8_PAGE_TOKENS))
+
+
+def test_fp8_entries_gathered_by_a_top_k_dequantize_with_their_own_pages_scales():
+    """A DSA top-k reads entries scattered over many pages, `[heads, batch, tokens, k]` at once."""
+    values = spread_values()
+    pages = Pages(Placement("cpu"), 300, fp8=True)
+    pages.append(values)
+    whole = dequantize_pages(pages.data, pages.scales, torch.arange(300), FP8_PAGE_TOKENS, torch.float32)
+    picked = torch.tensor([[[5, 299, 64], [63, 0, 128]]])  # [batch, tokens, k], across pages
+    gathered = dequantize_pages(pages.data[:, picked], pages.scales, picked, FP8_PAGE_TOKENS, torch.float32)
+    assert torch.equal(gathered, whole[:, picked])
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gpt_oss", "deepseek_v3", "glm_moe_dsa"])

@@ -13,8 +13,10 @@ prefix]` score matrix: it revisits the blocks and gets each block's dK, dV and s
 and log-sum-exp (the ring-attention identity: `dS = P * (dO V^T - rowsum(dO * O))` with `P = exp(S - lse)` needs
 nothing but the block, `O` and `lse`), so the fused backward kernels apply to prefix blocks exactly as to a whole
 attention. One algorithm, two kernels per block: PyTorch's fused CPU flash kernels where no per-row mask is needed
-(keys all visible, or a square causal block), plain torch tiles where one is (a window or chunk edge, a DSA top-k
-selection, logit soft-capping, MLA's value head narrower than its key head). On CUDA the same two calls go to
+(keys all visible, or a square causal block), plain torch tiles where one is (a window or chunk edge, logit
+soft-capping, MLA's value head narrower than its key head). A block read through a DSA top-k (`KeyBlock.picked`) is
+neither chunked nor masked: each query gathers the keys its top-k picked, so its cost is `k` keys per query however
+long the prompt (a mask over the whole prompt would cost the prompt's length). On CUDA the same two calls go to
 PyTorch's memory-efficient kernels (`_scaled_dot_product_efficient_attention` and its backward, which likewise take
 the global output and log-sum-exp), for fp32, fp16 and bf16.
 Everything accumulates in fp32 (or wider) whatever the autocast state: the function disables autocast inside.
@@ -109,12 +111,17 @@ def visible_keys(q_positions: torch.Tensor, k_positions: torch.Tensor, visibilit
     """Boolean `[rows, keys]` visibility (causal by absolute position, windowed or chunked), or None if all visible."""
     if not visibility.windowed() and int(k_positions[-1]) <= int(q_positions.min()):
         return None
-    visible = k_positions[None, :] <= q_positions[:, None]
+    return visible_pairs(q_positions[:, None], k_positions[None, :], visibility)
+
+
+def visible_pairs(q_positions: torch.Tensor, k_positions: torch.Tensor, visibility: Visibility) -> torch.Tensor:
+    """Whether each query position sees each key position (broadcast against each other), as `visible_keys`."""
+    visible = k_positions <= q_positions
     if visibility.sliding_window is not None:
-        visible &= (q_positions[:, None] - k_positions[None, :]) < visibility.sliding_window
+        visible &= (q_positions - k_positions) < visibility.sliding_window
     if visibility.chunk_size is not None:
         origin, size = visibility.chunk_origin, visibility.chunk_size
-        visible &= (k_positions[None, :] - origin) // size == (q_positions[:, None] - origin) // size
+        visible &= (k_positions - origin) // size == (q_positions - origin) // size
     return visible
 
 
@@ -122,14 +129,15 @@ def visible_keys(q_positions: torch.Tensor, k_positions: torch.Tensor, visibilit
 class KeyBlock:
     """One set of keys the queries attend to, besides its tensors: their absolute `positions [keys]`, whether they are
     `shared` by every batch row (the prompt's pages, `[kv_heads, keys, d]`) or one set per row (the forward's own
-    tokens, `[batch * kv_heads, keys, d]`), an optional DSA `selection(start, end) -> bool [batch, tokens,
-    end - start]` of the keys each token's top-k picked, and for fp8 pages `dequantize(keys_chunk, values_chunk,
-    start) -> (keys, values)` in the compute dtype, applied chunk by chunk as the block is read."""
+    tokens, `[batch * kv_heads, keys, d]`), an optional DSA top-k `picked [batch, tokens, k]` (the keys each token
+    picked, as indices into this block; an index outside `0 .. keys - 1` picks a key of another block), and for fp8
+    pages `dequantize(keys, values, index) -> (keys, values)` in the compute dtype, given the entries' indices in the
+    block (a chunk, or the picked entries), applied as the block is read."""
 
     positions: torch.Tensor
     shared: bool
-    selection: Callable[[int, int], torch.Tensor] | None = None
-    dequantize: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None  # fp8 pages
+    picked: torch.Tensor | None = None
+    dequantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class _Fold:
@@ -157,20 +165,6 @@ class _Fold:
     def positions(self, q_positions: torch.Tensor) -> torch.Tensor:
         return q_positions.repeat(self.batch * self.groups if self.shared else self.groups)
 
-    def selection(self, selected):
-        if selected is None:
-            return None
-
-        def fold_selection(start: int, end: int) -> torch.Tensor:
-            chunk = selected(start, end)  # [batch, tokens, n]
-            n = end - start
-            if self.shared:
-                return chunk[:, None].expand(self.batch, self.groups, self.tokens, n).reshape(1, -1, n)
-            chunk = chunk[:, None, None].expand(self.batch, self.kv_heads, self.groups, self.tokens, n)
-            return chunk.reshape(self.batch * self.kv_heads, -1, n)
-
-        return fold_selection
-
 
 @dataclass
 class _Chunk:
@@ -181,14 +175,9 @@ class _Chunk:
     row_positions: torch.Tensor  # [rows]
     key_positions: torch.Tensor  # [n]
     visibility: Visibility
-    selection: torch.Tensor | None  # bool [groups or 1, rows, n]
 
     def mask(self, rows=slice(None)) -> torch.Tensor | None:
-        mask = visible_keys(self.row_positions[rows], self.key_positions, self.visibility)
-        if self.selection is not None:
-            selected = self.selection[:, rows]
-            mask = selected if mask is None else mask & selected
-        return mask
+        return visible_keys(self.row_positions[rows], self.key_positions, self.visibility)
 
 
 def _fusable(chunk: _Chunk, q: torch.Tensor, softcap) -> str | None:
@@ -200,8 +189,8 @@ def _fusable(chunk: _Chunk, q: torch.Tensor, softcap) -> str | None:
             return None
     elif q.device.type != "cuda" or q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or q.shape[-1] % 8:
         return None
-    if chunk.selection is not None or softcap is not None or chunk.values.shape[-1] != q.shape[-1]:
-        return None  # a per-row selection; soft-capping; MLA's value head differs from its key head
+    if softcap is not None or chunk.values.shape[-1] != q.shape[-1]:
+        return None  # soft-capping; MLA's value head differs from its key head
     if visible_keys(chunk.row_positions, chunk.key_positions, chunk.visibility) is None:
         return "all"
     tokens, rows = chunk.key_positions.numel(), chunk.row_positions.numel()
@@ -332,9 +321,8 @@ def _chunks(q, keys, values, block: KeyBlock, fold: _Fold, q_positions, visibili
     leave non-square causal pieces to plain-torch tiles (measured: 3.6x slower, 8x the peak).
     """
     row_positions = fold.positions(q_positions)
-    selection = fold.selection(block.selection)
-    if not block.shared and selection is None and keys.shape[1] > chunk_size:
-        whole = _Chunk(keys, values, row_positions, block.positions, visibility, None)
+    if not block.shared and keys.shape[1] > chunk_size:
+        whole = _Chunk(keys, values, row_positions, block.positions, visibility)
         if _fusable(whole, q, softcap) == "causal":
             chunk_size = keys.shape[1]
     for start in range(0, keys.shape[1], chunk_size):
@@ -342,18 +330,112 @@ def _chunks(q, keys, values, block: KeyBlock, fold: _Fold, q_positions, visibili
         chunk_keys = keys[:, start:end].to(q.device, non_blocking=True)
         chunk_values = values[:, start:end].to(q.device, non_blocking=True)
         if block.dequantize is not None:
-            chunk_keys, chunk_values = block.dequantize(chunk_keys, chunk_values, start)
+            index = torch.arange(start, end, device=chunk_keys.device)
+            chunk_keys, chunk_values = block.dequantize(chunk_keys, chunk_values, index)
         yield (
             slice(start, end),
-            _Chunk(
-                chunk_keys,
-                chunk_values,
-                row_positions,
-                block.positions[start:end],
-                visibility,
-                None if selection is None else selection(start, end),
-            ),
+            _Chunk(chunk_keys, chunk_values, row_positions, block.positions[start:end], visibility),
         )
+
+
+class _Picked:
+    """A block read through a DSA top-k (`KeyBlock.picked`): each query gathers the keys it picked, in blocks of query
+    tokens, and attends to those alone, so a query costs `k` keys whatever the block's length. Rows that picked
+    nothing here (or nothing they can see) get `o = 0`, `lse = -inf`, as a chunk they see nothing of. The per-step
+    transient (the gathered keys and values and the scores) never exceeds the scores of the block's queries against
+    `chunk_size` keys, what a dense chunk of the same call would hold."""
+
+    def __init__(self, q, keys, values, block: KeyBlock, q_positions, visibility, chunk_size):
+        self.batch, heads, self.tokens, self.dim = q.shape
+        self.value_dim = values.shape[-1]
+        self.keys, self.values, self.block = keys, values, block
+        self.kv_heads = keys.shape[0] if block.shared else keys.shape[0] // self.batch
+        self.groups = heads // self.kv_heads
+        picked = block.picked.to(device=q.device, dtype=torch.long)
+        count = keys.shape[1]
+        inside = (picked >= 0) & (picked < count)
+        self.index = torch.where(inside, picked, torch.zeros_like(picked))  # [batch, tokens, k]
+        key_positions = block.positions.to(q.device)[self.index]
+        self.visible = inside & visible_pairs(q_positions[None, :, None], key_positions, visibility)
+        per_row = picked.shape[-1] * (heads + self.kv_heads * (self.dim + self.value_dim))
+        step = max(1, self.tokens * heads * chunk_size // max(per_row, 1))
+        self.spans = [slice(start, min(start + step, self.tokens)) for start in range(0, self.tokens, step)]
+
+    def gather(self, span: slice, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values the tokens of `span` picked, `[batch, kv_heads, tokens, k, d]` in `dtype`."""
+        index = self.index[:, span]
+        if self.block.shared:  # [kv_heads, keys, d]: the pages, possibly host-resident or fp8
+            where = index.to(self.keys.device)
+            keys, values = self.keys[:, where].to(device), self.values[:, where].to(device)
+            if self.block.dequantize is not None:
+                keys, values = self.block.dequantize(keys, values, where)
+            keys, values = keys.transpose(0, 1), values.transpose(0, 1)
+        else:  # [batch * kv_heads, keys, d]: each row's own
+            rows = torch.arange(self.batch * self.kv_heads, device=index.device).view(self.batch, self.kv_heads, 1, 1)
+            keys, values = self.keys[rows, index[:, None]], self.values[rows, index[:, None]]
+        return keys.to(dtype), values.to(dtype)
+
+    def queries(self, x: torch.Tensor, span: slice) -> torch.Tensor:
+        """`x [batch, heads, tokens, ...]` of the tokens of `span` as `[batch, kv_heads, groups, tokens, ...]`."""
+        x = x[:, :, span]
+        return x.reshape(self.batch, self.kv_heads, self.groups, *x.shape[2:])
+
+    def scores(self, q, keys, span, scaling, softcap):
+        """`(scores, tanh of the capped scores or None)`, `[batch, kv_heads, groups, tokens, k]`, -inf where unseen."""
+        scores = torch.einsum("bvgtd,bvtkd->bvgtk", q, keys).mul_(scaling)
+        capped = None
+        if softcap is not None:
+            capped = scores.div_(softcap).tanh_()
+            scores = capped * softcap
+        return scores.masked_fill_(~self.visible[:, None, None, span], float("-inf")), capped
+
+    def forward(self, q, scaling, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+        acc = _accumulation_dtype(q.dtype)
+        outs, lses = [], []
+        for span in self.spans:
+            keys, values = self.gather(span, q.device, acc)
+            scores, _ = self.scores(self.queries(q, span).to(acc), keys, span, scaling, softcap)
+            lse = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores.sub_(_finite(lse)[..., None]))
+            outs.append(torch.einsum("bvgtk,bvtke->bvgte", probs, values).flatten(1, 2))
+            lses.append(lse.flatten(1, 2))
+        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+
+    def backward(self, d_out, q, out, lse, d_row, scaling, softcap, need):
+        """`(dq [batch, heads, tokens, d], d_keys, d_values)` from the global `out`, `lse` and `d_row`; the key and
+        value gradients are scattered back to the entries picked (summed where several queries picked one)."""
+        acc = _accumulation_dtype(q.dtype)
+        need_q, need_k, need_v = need
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device) if need_q else None
+        d_keys = torch.zeros(self.keys.shape, dtype=acc, device=self.keys.device) if need_k else None
+        d_values = torch.zeros(self.values.shape, dtype=acc, device=self.values.device) if need_v else None
+        for span in self.spans:
+            keys, values = self.gather(span, q.device, acc)
+            q_span, d_out_span = self.queries(q, span).to(acc), self.queries(d_out, span).to(acc)
+            scores, capped = self.scores(q_span, keys, span, scaling, softcap)
+            probs = torch.exp(scores.sub_(_finite(self.queries(lse[..., None], span))))
+            d_scores = torch.einsum("bvgte,bvtke->bvgtk", d_out_span, values)
+            d_scores = probs * d_scores.sub_(self.queries(d_row[..., None], span))
+            if capped is not None:
+                d_scores.mul_(1 - capped.square_())
+            d_scores.mul_(scaling)
+            if need_q:
+                dq[:, :, span] = torch.einsum("bvgtk,bvtkd->bvgtd", d_scores, keys).flatten(1, 2)
+            if need_k:
+                self.scatter(d_keys, torch.einsum("bvgtk,bvgtd->bvtkd", d_scores, q_span), span)
+            if need_v:
+                self.scatter(d_values, torch.einsum("bvgtk,bvgte->bvtke", probs, d_out_span), span)
+        return dq, d_keys, d_values
+
+    def scatter(self, grad: torch.Tensor, picked_grad: torch.Tensor, span: slice) -> None:
+        """Add `picked_grad [batch, kv_heads, tokens, k, d]` into `grad` (the block's layout) at the picked entries."""
+        index = self.index[:, span][:, None]  # [batch, 1, tokens, k]
+        count = grad.shape[1]
+        heads = torch.arange(self.kv_heads, device=index.device).view(1, -1, 1, 1)
+        if not self.block.shared:
+            heads = heads + self.kv_heads * torch.arange(self.batch, device=index.device).view(-1, 1, 1, 1)
+        rows = (heads * count + index).reshape(-1).to(grad.device)
+        grad.view(-1, grad.shape[-1]).index_add_(0, rows, picked_grad.reshape(-1, grad.shape[-1]).to(grad.device))
 
 
 def blocks_forward(q, q_positions, scaling, visibility, chunk_size, softcap, blocks, tensors):
@@ -366,11 +448,18 @@ def blocks_forward(q, q_positions, scaling, visibility, chunk_size, softcap, blo
         keys, values = tensors[2 * index], tensors[2 * index + 1]
         if keys.shape[1] == 0:
             continue
-        fold = _Fold(batch, heads, tokens, keys.shape[0], block.shared)
-        q_folded = fold.fold(q)
-        for _, chunk in _chunks(q, keys, values, block, fold, q_positions, visibility, chunk_size, softcap):
-            part_out, part_lse = _chunk_forward(q_folded, chunk, scaling, softcap)
-            part = fold.unfold(part_out), fold.unfold(part_lse[..., None])[..., 0]
+        if block.picked is not None:
+            picked = _Picked(q, keys, values, block, q_positions, visibility, chunk_size)
+            parts = [picked.forward(q, scaling, softcap)]
+        else:
+            fold = _Fold(batch, heads, tokens, keys.shape[0], block.shared)
+            q_folded = fold.fold(q)
+            parts = (
+                _chunk_forward(q_folded, chunk, scaling, softcap)
+                for _, chunk in _chunks(q, keys, values, block, fold, q_positions, visibility, chunk_size, softcap)
+            )
+            parts = ((fold.unfold(o), fold.unfold(part_lse[..., None])[..., 0]) for o, part_lse in parts)
+        for part in parts:
             out, lse = part if out is None else merge_by_lse(out, lse, *part)
     return out, lse
 
@@ -388,6 +477,16 @@ def blocks_backward(d_out, q, q_positions, out, lse, scaling, visibility, chunk_
         keys, values = tensors[2 * index], tensors[2 * index + 1]
         need_k, need_v = need_tensors[2 * index], need_tensors[2 * index + 1]
         if keys.shape[1] == 0 or not (need_q or need_k or need_v):
+            continue
+        if block.picked is not None:
+            picked = _Picked(q, keys, values, block, q_positions, visibility, chunk_size)
+            dq, d_keys, d_values = picked.backward(
+                d_out, q, out, lse, d_row, scaling, softcap, (need_q, need_k, need_v)
+            )
+            if need_q:
+                d_q += dq
+            grads[2 * index] = None if d_keys is None else d_keys.to(keys.dtype)
+            grads[2 * index + 1] = None if d_values is None else d_values.to(values.dtype)
             continue
         fold = _Fold(batch, heads, tokens, keys.shape[0], block.shared)
         folded = [fold.fold(x) for x in (q, d_out, out)]

@@ -99,7 +99,7 @@ from .state import (
     PromptState,
     plan_layers,
 )
-from .state.mla import absorb, topk_selection
+from .state.mla import absorb
 
 # Elements sent through each kind of collective by this process (reset it to measure a phase).
 COMMUNICATION: Counter = Counter()
@@ -475,7 +475,7 @@ class ShardedView:
                     state.announce_backward(layer_idx, d_out)
 
         page_blocks, page_tensors = self.page_block(query.device, query.dtype, limit, indices)
-        own_selection = None if indices is None else topk_selection(indices, access.prefix_length)
+        own_picked = None if indices is None else indices.long() - access.prefix_length
         call = _Call(
             state.cp,
             owns_suffix,
@@ -485,7 +485,7 @@ class ShardedView:
             self.visibility(sliding_window),
             access.attention_chunk_size,
             softcap,
-            KeyBlock(access.own_positions(own_k.shape[1]), shared=False, selection=own_selection),
+            KeyBlock(access.own_positions(own_k.shape[1]), shared=False, picked=own_picked),
             on_backward,
         )
         return ContextParallelAttention.apply(query, sinks, own_k, own_v, call, page_blocks, *page_tensors)
@@ -591,8 +591,8 @@ class ShardedLatentAttention(ShardedView):
             return (), ()
         start = self.layer.prompt.start_position  # the shard's first absolute position
         positions = torch.arange(start, start + limit, device=device)
-        selection = None if indices is None else topk_selection(indices, self.state.shard[0])
-        block = KeyBlock(positions, shared=True, selection=selection, dequantize=self.layer.dequantizer(dtype))
+        picked = None if indices is None else indices.long() - self.state.shard[0]
+        block = KeyBlock(positions, shared=True, picked=picked, dequantize=self.layer.dequantizer(dtype))
         data = pages.read(limit)
         return (block,), (data, data[..., : self.layer.mixer.kv_lora_rank])
 

@@ -144,8 +144,8 @@ class AttentionPages(LayerState):
     def _dequantizer(self, dtype: torch.dtype):
         """fp8 pages: each chunk's keys and values in `dtype`, with their pages' scales, as attention reads them."""
 
-        def dequantize(keys: torch.Tensor, values: torch.Tensor, start: int):
-            return self.key.dequantize(keys, start, dtype), self.value.dequantize(values, start, dtype)
+        def dequantize(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor):
+            return self.key.dequantize(keys, index, dtype), self.value.dequantize(values, index, dtype)
 
         return dequantize
 

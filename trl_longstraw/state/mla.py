@@ -64,19 +64,6 @@ def absorb(module, query: torch.Tensor):
     return absorbed, values
 
 
-def topk_selection(indices: torch.Tensor, offset: int):
-    """`selected(start, end)`: which keys `offset + start .. offset + end - 1` each token's top-k picked."""
-    picked = indices.long().sort(dim=-1).values  # [batch, tokens, top_k]
-
-    def selected(start: int, end: int) -> torch.Tensor:
-        keys = torch.arange(offset + start, offset + end, device=picked.device)
-        keys = keys.expand(*picked.shape[:2], end - start).contiguous()
-        slot = torch.searchsorted(picked, keys).clamp(max=picked.shape[-1] - 1)
-        return picked.gather(-1, slot) == keys
-
-    return selected
-
-
 @register_state_kind
 class LatentPages(LayerState):
     """`[1, tokens, kv_lora_rank + qk_rope_head_dim]` latent pages of one MLA layer. Read-only after capture."""
@@ -114,12 +101,11 @@ class LatentPages(LayerState):
             page_positions = torch.arange(
                 self.prompt.start_position, self.prompt.start_position + prefix, device=query.device
             )
-            selected = None if indices is None else topk_selection(indices, 0)
-            block = KeyBlock(page_positions, shared=True, selection=selected, dequantize=self.dequantizer(query.dtype))
+            block = KeyBlock(page_positions, shared=True, picked=indices, dequantize=self.dequantizer(query.dtype))
             blocks.append((pages, pages[..., :rank], block))
-        selected = None if indices is None else topk_selection(indices, prefix)
+        picked = None if indices is None else indices.long() - prefix
         own_positions = access.own_positions(own_keys.shape[1])
-        blocks.append((own_keys, own_keys[..., :rank], KeyBlock(own_positions, shared=False, selection=selected)))
+        blocks.append((own_keys, own_keys[..., :rank], KeyBlock(own_positions, shared=False, picked=picked)))
         out = attention_over_blocks(absorbed, blocks, positions, scaling, CAUSAL, access.attention_chunk_size)
         self.keep(access, key, value, latents=own_keys)
         return values(out)
@@ -146,8 +132,8 @@ class LatentPages(LayerState):
         if not self.pages.fp8:
             return None
 
-        def dequantize(keys: torch.Tensor, values: torch.Tensor, start: int):
-            keys = self.pages.dequantize(keys, start, dtype)
+        def dequantize(keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor):
+            keys = self.pages.dequantize(keys, index, dtype)
             return keys, keys[..., : values.shape[-1]]  # the values are the latents' first columns
 
         return dequantize

@@ -38,10 +38,11 @@ def quantize_pages(values: torch.Tensor, page_tokens: int) -> tuple[torch.Tensor
 
 
 def dequantize_pages(
-    entries: torch.Tensor, scales: torch.Tensor, start: int, page_tokens: int, dtype: torch.dtype
+    entries: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, page_tokens: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """fp8 `entries [heads, n, dim]` at token offset `start`, in `dtype`, with their pages' scales `[heads, pages]`."""
-    pages = torch.arange(start, start + entries.shape[1], device=scales.device) // page_tokens
+    """fp8 `entries [heads, *index.shape, dim]` (the entries at token indices `index`: a chunk, or those a DSA top-k
+    picked), in `dtype`, with their pages' scales `[heads, pages]`."""
+    pages = index.to(scales.device) // page_tokens
     return (entries.to(torch.float32) * scales[:, pages, None].to(entries.device)).to(dtype)
 
 
@@ -138,9 +139,9 @@ class Pages:
         self._tail = values[:, values.shape[1] - partial :].clone() if partial and not complete else None
         self.length = end
 
-    def dequantize(self, entries: torch.Tensor, start: int, dtype: torch.dtype) -> torch.Tensor:
-        """fp8 pages: `entries` (a chunk of `read()` starting at entry `start`, on any device) in `dtype`."""
-        return dequantize_pages(entries, self.scales, start, FP8_PAGE_TOKENS, dtype)
+    def dequantize(self, entries: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """fp8 pages: `entries` (those of `read()` at indices `index`, on any device) in `dtype`."""
+        return dequantize_pages(entries, self.scales, index, FP8_PAGE_TOKENS, dtype)
 
     def read(self, limit: int | None = None) -> torch.Tensor | None:
         """The first `limit` entries (all by default), still on the state's device."""
