@@ -6,8 +6,8 @@ For every model type of transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`: build
 (`AutoConfig.for_model(model_type)`, default sizes, on the meta device: no weights, no memory), run
 `trl_longstraw.architectures.check_supported` on it, then `trl_longstraw.accounting.prompt_state_account`. Each type
 runs in a worker process with a time limit (`--timeout`, seconds); a type that runs past it is killed and reported as
-a time-out. A nonzero default `attention_dropout` (a training hyperparameter, refused by the engine) is set to 0.0
-first and the type is flagged.
+a time-out. A nonzero default `attention_dropout`, `router_jitter_noise` or `input_jitter_noise` (training
+hyperparameters whose noise the engine refuses) is set to 0.0 first and the type is flagged.
 
 Classes: `accepted` (every decoder layer maps to a registered state kind), `accepted, accounting crashed`
 (`check_supported` accepted, `prompt_state_account` raised), `refused` (`UnsupportedModelError`, with
@@ -37,6 +37,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 OLD_ALLOWLIST = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "glm_moe_dsa")
+NOISE_FIELDS = ("attention_dropout", "router_jitter_noise", "input_jitter_noise")  # per-forward noise: refused
 NOTE = (
     "`accepted` means the state-kind registry maps every decoder layer of the default-config skeleton and the "
     "accounting runs; it is not a parity test (only the families of `trl_longstraw.embedded.FAMILIES` are verified "
@@ -94,9 +95,10 @@ def census_one(model_type: str) -> dict:
         except ValueError:  # left to check_supported, which reads it too
             text_config = config
         for sub in {id(config): config, id(text_config): text_config}.values():
-            if getattr(sub, "attention_dropout", 0.0):
-                sub.attention_dropout = 0.0
-                result["dropout_reset"] = True
+            for field in NOISE_FIELDS:
+                if getattr(sub, field, 0.0):
+                    setattr(sub, field, 0.0)
+                    result["dropout_reset"] = True
         plans = check_supported(config)
         runs: list[list] = []
         for plan in plans:
@@ -259,7 +261,8 @@ def report(results: list[dict], causal_lm: dict[str, str], timeout: float) -> st
         f"Old allowlist types not accepted now: {', '.join(f'`{t}`' for t in lost) or 'none'}.",
         "",
         (
-            f"Default `attention_dropout` set to 0.0 before the check ({len(reset)}): "
+            f"Default `attention_dropout`, `router_jitter_noise` or `input_jitter_noise` set to 0.0 before the check "
+            f"({len(reset)}): "
             f"{', '.join(f'`{t}`' for t in reset) or 'none'}."
         ),
         "",

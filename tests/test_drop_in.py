@@ -123,6 +123,8 @@ KNOBS = {
     "num-iterations": {"num_iterations": 2, "loss_type": "grpo"},
     "reference-model": {"beta": 0.04, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 3},
     "peft-adapter-as-reference": {"beta": 0.04, "peft_config": LoraConfig(**LORA), "learning_rate": 1e-2},
+    # PEFT's default targets: the first layer's keys then come from frozen weights alone
+    "lora-on-q-and-v-only": {"peft_config": LoraConfig(r=4, lora_alpha=8), "learning_rate": 1e-2},
     # a group's rows in up to three micro-steps, rows of several groups in one micro-step
     "group-spans-micro-steps": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "max_steps": 2},
     "batch-not-a-multiple-of-the-group": {

@@ -22,6 +22,11 @@ from .conftest import make_trainer, synthetic_inputs, trainer_args
         ("attention_chunk_size", -1, "attention_chunk_size=-1"),
         ("prompt_state_device", "gpu7", "prompt_state_device='gpu7'"),
         ("prompt_state_dtype", "int8", "prompt_state_dtype='int8' is not supported"),
+        (
+            "neftune_noise_alpha",
+            5.0,
+            "neftune_noise_alpha=5.0: NEFTune adds fresh noise .* Set neftune_noise_alpha=None",
+        ),
     ],
 )
 def test_config_rejects_bad_fields(field, value, message, tmp_path):
@@ -198,6 +203,24 @@ def looped_model(loops: int):
         attention_dropout=0.0,
     )
     return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize(
+    "model_type, noise, message",
+    [
+        ("qwen3", {"attention_dropout": 0.1}, "attention_dropout=0.1: .*Set attention_dropout=0.0"),
+        ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1: .*Set router_jitter_noise=0.0"),
+        ("phimoe", {"router_jitter_noise": 0.0}, "PhiMoE samples its experts in training mode"),
+    ],
+)
+def test_a_model_whose_training_forward_draws_noise_is_refused_by_its_config(model_type, noise, message):
+    """Noise drawn anew per training-mode forward (besides nn.Dropout, refused by the trainer) cannot be replayed."""
+    sizes = {"vocab_size": 102, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    sizes |= {"num_attention_heads": 4, "num_key_value_heads": 2}
+    if model_type != "phimoe":
+        check_supported(AutoConfig.for_model(model_type, **sizes))
+    with pytest.raises(UnsupportedModelError, match=message):
+        check_supported(AutoConfig.for_model(model_type, **sizes, **noise))
 
 
 def test_a_model_that_loops_over_its_layers_is_refused_by_its_config():

@@ -13,7 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from .state import LayerPlan, UnsupportedModelError, plan_layers
-from .state.registry import check_attention_dropout
+from .state.registry import check_deterministic_forward
 
 __all__ = ["UnsupportedModelError", "check_supported", "longrope_switch_length", "model_skeleton"]
 
@@ -28,7 +28,7 @@ def check_supported(model_or_config: nn.Module | PretrainedConfig, trust_remote_
     """The layer plan of a model (or of a config's skeleton); raise `UnsupportedModelError` naming what is missing."""
     if isinstance(model_or_config, PretrainedConfig):
         config = model_or_config
-        check_attention_dropout(config)
+        check_deterministic_forward(config)
         try:
             model = model_skeleton(config, trust_remote_code=trust_remote_code)
         except ValueError as error:  # no causal-LM class for this config
@@ -38,7 +38,7 @@ def check_supported(model_or_config: nn.Module | PretrainedConfig, trust_remote_
             ) from error
     else:
         model = model_or_config
-        check_attention_dropout(model.config)
+        check_deterministic_forward(model.config)
     return plan_layers(model)
 
 

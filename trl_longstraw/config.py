@@ -282,6 +282,12 @@ class LongStrawGRPOConfig(GRPOConfig):
                 f"DeepSpeed or FSDP ({where}): the serial replay runs on the unsharded model. Launch without them; to "
                 "fit a large model use QLoRA (`load_in_4bit`) and `prompt_state_device='cpu'`."
             )
+        if self.neftune_noise_alpha is not None:
+            raise ValueError(
+                f"neftune_noise_alpha={self.neftune_noise_alpha}: NEFTune adds fresh noise to the input embeddings in "
+                "every training-mode forward, and LongStraw's replay must reproduce its scoring pass exactly (stock's "
+                "loss and backward share one forward). Set neftune_noise_alpha=None."
+            )
         if self.use_liger_kernel:
             raise ValueError(
                 "use_liger_kernel=True is not supported: Liger's Triton kernels replace the model's RMSNorm, RoPE and "

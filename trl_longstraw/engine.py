@@ -389,5 +389,8 @@ class LongStrawEngine:
         ]
         if router_weights is not None:
             pairs.append((load.objective(router_weights), torch.ones((), device=load.probs.device)))
+        # An entry computed from frozen parameters alone (the first layer's keys under LoRA on q_proj/v_proj, PEFT's
+        # default targets) has a gradient but no graph: nothing it could push that gradient into trains.
+        pairs = [(tensor, grad) for tensor, grad in pairs if tensor.requires_grad]
         if pairs:
             torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])

@@ -232,10 +232,20 @@ def plan_layers(model: nn.Module) -> list[LayerPlan]:
     return plans
 
 
-def check_attention_dropout(config: PretrainedConfig) -> None:
-    dropout = getattr(text_config(config), "attention_dropout", 0.0)
-    if dropout:
+def check_deterministic_forward(config: PretrainedConfig) -> None:
+    """Refuse a model whose training-mode forward draws random numbers (besides `nn.Dropout`, which the trainer
+    checks): LongStraw scores each member once and replays it under autograd, and the replay must reproduce the
+    scoring pass, which a new random draw per forward does not (stock's loss and backward share one forward)."""
+    config = text_config(config)
+    if config.model_type == "phimoe":
         raise UnsupportedModelError(
-            f"The model config sets attention_dropout={dropout}: the replay must reproduce "
-            "the scoring pass exactly, so set attention_dropout=0.0 in the model config."
+            "PhiMoE samples its experts in training mode (Gumbel sampling in `sparsemixer`, whatever its config), so "
+            "LongStraw's replay would route the tokens differently from its scoring pass. No setting turns it off."
         )
+    for field in ("attention_dropout", "router_jitter_noise", "input_jitter_noise"):
+        value = getattr(config, field, 0.0)
+        if value:
+            raise UnsupportedModelError(
+                f"The model config sets {field}={value}: that noise is drawn anew by every training-mode forward, "
+                f"and LongStraw's replay must reproduce its scoring pass exactly. Set {field}=0.0 in the model config."
+            )
