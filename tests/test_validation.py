@@ -223,6 +223,15 @@ def test_a_model_whose_training_forward_draws_noise_is_refused_by_its_config(mod
         check_supported(AutoConfig.for_model(model_type, **sizes, **noise))
 
 
+def test_positions_counted_from_the_cache_are_refused():
+    """Llama 4's attention temperature tuning numbers the NoPE layers' tokens from the cache's length."""
+    sizes = {"vocab_size": 102, "hidden_size": 64, "intermediate_size": 128, "intermediate_size_mlp": 128}
+    sizes |= {"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+    check_supported(AutoConfig.for_model("llama4_text", attn_temperature_tuning=False, **sizes))
+    with pytest.raises(UnsupportedModelError, match=r"attn_temperature_tuning=True: .*NoPE layers \(\[3\]\)"):
+        check_supported(AutoConfig.for_model("llama4_text", **sizes))
+
+
 def test_a_model_that_loops_over_its_layers_is_refused_by_its_config():
     check_supported(looped_model(1).config)
     with pytest.raises(UnsupportedModelError, match="n_recurrent_loops=2: .*Set n_recurrent_loops=1"):

@@ -29,6 +29,7 @@ def check_supported(model_or_config: nn.Module | PretrainedConfig, trust_remote_
     if isinstance(model_or_config, PretrainedConfig):
         config = model_or_config
         check_deterministic_forward(config)
+        check_positions_from_the_model(config)
         try:
             model = model_skeleton(config, trust_remote_code=trust_remote_code)
         except ValueError as error:  # no causal-LM class for this config
@@ -39,7 +40,22 @@ def check_supported(model_or_config: nn.Module | PretrainedConfig, trust_remote_
     else:
         model = model_or_config
         check_deterministic_forward(model.config)
+        check_positions_from_the_model(model.config)
     return plan_layers(model)
+
+
+def check_positions_from_the_model(config: PretrainedConfig) -> None:
+    """Refuse a layer that numbers its tokens from the cache's length: a LongStraw forward reports none (its masks
+    span its own keys only) and passes each forward's positions to the model instead."""
+    config = config.get_text_config()
+    no_rope = [index for index, rope in enumerate(getattr(config, "no_rope_layers", None) or []) if not rope]
+    if getattr(config, "attn_temperature_tuning", False) and no_rope:
+        raise UnsupportedModelError(
+            f"attn_temperature_tuning=True: Llama 4's NoPE layers ({no_rope}) scale their queries by positions they "
+            "count from the cache's length, which LongStraw's prompt state does not report, so past "
+            f"floor_scale={config.floor_scale} positions their scores would differ from the model's. Set "
+            "attn_temperature_tuning=False in the model config (which changes the model), or train without LongStraw."
+        )
 
 
 def longrope_switch_length(config: PretrainedConfig) -> int | None:

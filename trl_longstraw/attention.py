@@ -349,6 +349,7 @@ class _Picked:
         self.batch, heads, self.tokens, self.dim = q.shape
         self.value_dim = values.shape[-1]
         self.keys, self.values, self.block = keys, values, block
+        self.values_in_keys = values.data_ptr() == keys.data_ptr() and values.stride() == keys.stride()
         self.kv_heads = keys.shape[0] if block.shared else keys.shape[0] // self.batch
         self.groups = heads // self.kv_heads
         picked = block.picked.to(device=q.device, dtype=torch.long)
@@ -365,14 +366,26 @@ class _Picked:
         """The keys and values the tokens of `span` picked, `[batch, kv_heads, tokens, k, d]` in `dtype`."""
         index = self.index[:, span]
         if self.block.shared:  # [kv_heads, keys, d]: the pages, possibly host-resident or fp8
-            where = index.to(self.keys.device)
-            keys, values = self.keys[:, where].to(device), self.values[:, where].to(device)
+            where = index.reshape(-1).to(self.keys.device)
+            keys = self.keys.index_select(1, where).to(device, non_blocking=True)
+            if self.values_in_keys:  # MLA: the values are the latents, the keys' first columns (one gather)
+                values = keys[..., : self.value_dim]
+            else:
+                values = self.values.index_select(1, where).to(device, non_blocking=True)
             if self.block.dequantize is not None:
                 keys, values = self.block.dequantize(keys, values, where)
-            keys, values = keys.transpose(0, 1), values.transpose(0, 1)
-        else:  # [batch * kv_heads, keys, d]: each row's own
-            rows = torch.arange(self.batch * self.kv_heads, device=index.device).view(self.batch, self.kv_heads, 1, 1)
-            keys, values = self.keys[rows, index[:, None]], self.values[rows, index[:, None]]
+            shape = (self.kv_heads, *index.shape, -1)
+            keys, values = keys.view(shape).transpose(0, 1), values.reshape(shape).transpose(0, 1)
+        else:  # [batch * kv_heads, keys, d]: each row's own, gathered as rows of `[batch * kv_heads * keys, d]`
+            groups = torch.arange(self.batch * self.kv_heads, device=index.device).view(self.batch, -1, 1, 1)
+            where = (groups * self.keys.shape[1] + index[:, None]).reshape(-1)
+            keys = self.keys.reshape(-1, self.dim).index_select(0, where)
+            if self.values_in_keys:
+                values = keys[..., : self.value_dim]
+            else:
+                values = self.values.reshape(-1, self.value_dim).index_select(0, where)
+            shape = (self.batch, self.kv_heads, *index.shape[1:], -1)
+            keys, values = keys.view(shape), values.reshape(shape)
         return keys.to(dtype), values.to(dtype)
 
     def queries(self, x: torch.Tensor, span: slice) -> torch.Tensor:
