@@ -227,3 +227,20 @@ def test_bf16_under_autocast_accumulates_like_fp32(device="cpu"):
     for ours_bf16, fp32_of_rounded in zip(bf16, rounded, strict=True):
         scale = fp32_of_rounded.grad.abs().max()
         assert (ours_bf16.grad.float() - fp32_of_rounded.grad).abs().max() <= 2e-2 * scale
+
+
+def test_dsa_top_k_with_values_that_are_the_keys_first_columns():
+    """MLA passes its latent pages as keys and their first columns as values (one tensor): one gather, and both
+    gradients land in the pages, as with two separate tensors."""
+    tensors = inputs(torch.float64, value_dim=DIM)
+    q = tensors[0]
+    picked = top_k(6, seed=4)
+    grad_out = torch.randn(BATCH, HEADS, TOKENS, 5, dtype=torch.float64)
+    pages, own = tensors[1], tensors[3]
+    ours(q, pages, pages[..., :5], own, own[..., :5], None, CAUSAL, 4, picked=picked).backward(grad_out)
+    shared = [pages.grad, own.grad]
+    separate = [t.detach().clone().requires_grad_() for t in (pages, pages[..., :5], own, own[..., :5])]
+    ours(q.detach(), *separate, None, CAUSAL, 4, picked=picked).backward(grad_out)
+    for got, (keys, values) in zip(shared, (separate[:2], separate[2:]), strict=True):
+        want = keys.grad + torch.nn.functional.pad(values.grad, (0, DIM - 5))
+        assert torch.allclose(got, want, atol=1e-12)

@@ -130,7 +130,8 @@ class KeyBlock:
     """One set of keys the queries attend to, besides its tensors: their absolute `positions [keys]`, whether they are
     `shared` by every batch row (the prompt's pages, `[kv_heads, keys, d]`) or one set per row (the forward's own
     tokens, `[batch * kv_heads, keys, d]`), an optional DSA top-k `picked [batch, tokens, k]` (the keys each token
-    picked, as indices into this block; an index outside `0 .. keys - 1` picks a key of another block), and for fp8
+    picked, distinct per token as `topk` returns them, as indices into this block; an index outside `0 .. keys - 1`
+    picks a key of another block), and for fp8
     pages `dequantize(keys, values, index) -> (keys, values)` in the compute dtype, given the entries' indices in the
     block (a chunk, or the picked entries), applied as the block is read."""
 
@@ -330,7 +331,7 @@ def _chunks(q, keys, values, block: KeyBlock, fold: _Fold, q_positions, visibili
         chunk_keys = keys[:, start:end].to(q.device, non_blocking=True)
         chunk_values = values[:, start:end].to(q.device, non_blocking=True)
         if block.dequantize is not None:
-            index = torch.arange(start, end, device=chunk_keys.device)
+            index = torch.arange(start, end, device=keys.device)  # where the pages (and their scales) live
             chunk_keys, chunk_values = block.dequantize(chunk_keys, chunk_values, index)
         yield (
             slice(start, end),
@@ -341,15 +342,21 @@ def _chunks(q, keys, values, block: KeyBlock, fold: _Fold, q_positions, visibili
 class _Picked:
     """A block read through a DSA top-k (`KeyBlock.picked`): each query gathers the keys it picked, in blocks of query
     tokens, and attends to those alone, so a query costs `k` keys whatever the block's length. Rows that picked
-    nothing here (or nothing they can see) get `o = 0`, `lse = -inf`, as a chunk they see nothing of. The per-step
-    transient (the gathered keys and values and the scores) never exceeds the scores of the block's queries against
+    nothing here (or nothing they can see) get `o = 0`, `lse = -inf`, as a chunk they see nothing of. A step's
+    gathered keys, values and scores hold no more elements than the scores of the block's queries against
     `chunk_size` keys, what a dense chunk of the same call would hold."""
 
     def __init__(self, q, keys, values, block: KeyBlock, q_positions, visibility, chunk_size):
         self.batch, heads, self.tokens, self.dim = q.shape
         self.value_dim = values.shape[-1]
         self.keys, self.values, self.block = keys, values, block
-        self.values_in_keys = values.data_ptr() == keys.data_ptr() and values.stride() == keys.stride()
+        self.values_in_keys = (  # MLA: the values are the keys' first columns, a view of the same pages
+            values.data_ptr() == keys.data_ptr()
+            and values.stride() == keys.stride()
+            and values.dtype == keys.dtype
+            and values.shape[:-1] == keys.shape[:-1]
+            and values.shape[-1] <= keys.shape[-1]
+        )
         self.kv_heads = keys.shape[0] if block.shared else keys.shape[0] // self.batch
         self.groups = heads // self.kv_heads
         picked = block.picked.to(device=q.device, dtype=torch.long)
@@ -416,12 +423,21 @@ class _Picked:
 
     def backward(self, d_out, q, out, lse, d_row, scaling, softcap, need):
         """`(dq [batch, heads, tokens, d], d_keys, d_values)` from the global `out`, `lse` and `d_row`; the key and
-        value gradients are scattered back to the entries picked (summed where several queries picked one)."""
+        value gradients are scattered back to the entries picked (summed, in the accumulation dtype, where several
+        queries picked one). Values that are the keys' first columns get theirs in `d_keys` (`d_values` None): the
+        same leaf, one buffer."""
         acc = _accumulation_dtype(q.dtype)
         need_q, need_k, need_v = need
+        merged = need_k and need_v and self.values_in_keys
         dq = torch.zeros(q.shape, dtype=acc, device=q.device) if need_q else None
         d_keys = torch.zeros(self.keys.shape, dtype=acc, device=self.keys.device) if need_k else None
-        d_values = torch.zeros(self.values.shape, dtype=acc, device=self.values.device) if need_v else None
+        d_values = None
+        if need_v:
+            d_values = (
+                d_keys[..., : self.value_dim]
+                if merged
+                else torch.zeros(self.values.shape, dtype=acc, device=self.values.device)
+            )
         for span in self.spans:
             keys, values = self.gather(span, q.device, acc)
             q_span, d_out_span = self.queries(q, span).to(acc), self.queries(d_out, span).to(acc)
@@ -438,7 +454,7 @@ class _Picked:
                 self.scatter(d_keys, torch.einsum("bvgtk,bvgtd->bvtkd", d_scores, q_span), span)
             if need_v:
                 self.scatter(d_values, torch.einsum("bvgtk,bvgte->bvtke", probs, d_out_span), span)
-        return dq, d_keys, d_values
+        return dq, d_keys, None if merged else d_values
 
     def scatter(self, grad: torch.Tensor, picked_grad: torch.Tensor, span: slice) -> None:
         """Add `picked_grad [batch, kv_heads, tokens, k, d]` into `grad` (the block's layout) at the picked entries."""
@@ -448,7 +464,8 @@ class _Picked:
         if not self.block.shared:
             heads = heads + self.kv_heads * torch.arange(self.batch, device=index.device).view(-1, 1, 1, 1)
         rows = (heads * count + index).reshape(-1).to(grad.device)
-        grad.view(-1, grad.shape[-1]).index_add_(0, rows, picked_grad.reshape(-1, grad.shape[-1]).to(grad.device))
+        picked_grad = picked_grad.reshape(-1, picked_grad.shape[-1]).to(grad.device)
+        grad.flatten(0, 1).index_add_(0, rows, picked_grad)  # a view: fresh zeros, or the value columns of them
 
 
 def blocks_forward(q, q_positions, scaling, visibility, chunk_size, softcap, blocks, tensors):
