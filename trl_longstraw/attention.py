@@ -497,7 +497,8 @@ def blocks_forward(q, q_positions, scaling, visibility, chunk_size, softcap, blo
 def blocks_backward(d_out, q, q_positions, out, lse, scaling, visibility, chunk_size, softcap, blocks, tensors, need):
     """`(d_q, [d_keys, d_values per block])` of the blocks' share of one softmax, from its *global* output `out` and
     log-sum-exp `lse` (the ring-attention identity): a partial over some of the keys gets exactly its keys' gradients
-    and its share of `d_q`. `need = (q, *each tensor)` flags; entries not needed are None."""
+    and its share of `d_q`. `need = (q, *each tensor)` flags; entries not needed are None, and so is the value
+    gradient of a DSA block whose values are its keys' first columns (MLA's latents): it is inside the keys'."""
     need_q, need_tensors = need[0], need[1:]
     batch, heads, tokens, _ = q.shape
     d_row = (d_out * out).sum(-1)  # rowsum(dO * O): the same for every block

@@ -601,7 +601,8 @@ class ShardedLatentAttention(ShardedView):
         if leaf.grad is None:
             leaf.grad = torch.zeros_like(leaf)
         leaf.grad[:, : d_keys.shape[1]] += d_keys.to(leaf.grad.dtype)
-        leaf.grad[:, : d_values.shape[1], : d_values.shape[-1]] += d_values.to(leaf.grad.dtype)
+        if d_values is not None:  # None: a DSA block gave the values' gradient inside the keys' (`blocks_backward`)
+            leaf.grad[:, : d_values.shape[1], : d_values.shape[-1]] += d_values.to(leaf.grad.dtype)
 
     def attend(self, access, query, key, value, scaling, indices=None, **_):
         layer = self.layer
