@@ -362,10 +362,15 @@ class _Picked:
         picked = block.picked.to(device=q.device, dtype=torch.long)
         count = keys.shape[1]
         inside = (picked >= 0) & (picked < count)
-        self.index = torch.where(inside, picked, torch.zeros_like(picked))  # [batch, tokens, k]
+        # The picks of this block first, and only as many per token as the token with the most of them has here (a
+        # top-k splits between the prompt's pages and the forward's own keys): the other picks cost nothing.
+        order = torch.argsort(inside.to(torch.int8), dim=-1, descending=True, stable=True)
+        width = max(1, int(inside.sum(-1).max()))
+        inside, picked = inside.gather(-1, order[..., :width]), picked.gather(-1, order[..., :width])
+        self.index = torch.where(inside, picked, torch.zeros_like(picked))  # [batch, tokens, width]
         key_positions = block.positions.to(q.device)[self.index]
         self.visible = inside & visible_pairs(q_positions[None, :, None], key_positions, visibility)
-        per_row = picked.shape[-1] * (heads + self.kv_heads * (self.dim + self.value_dim))
+        per_row = width * (heads + self.kv_heads * (self.dim + self.value_dim))
         step = max(1, self.tokens * heads * chunk_size // max(per_row, 1))
         self.spans = [slice(start, min(start + step, self.tokens)) for start in range(0, self.tokens, step)]
 
