@@ -62,6 +62,8 @@ def step(prompt_gradient: str, context_parallel_size: int, family: str) -> dict:
         attention_chunk_size=128 if tools else 8,
         context_parallel_size=context_parallel_size,
         router_aux_loss_coef=0.5 if family == "qwen3_moe" else None,
+        # a quantile over each row's tokens once (each CP rank holds the group's rows)
+        top_entropy_quantile=0.9 if family == "glm_moe_dsa" else 1.0,
     )
     if tools:
         tokenizer = build_tool_calling_tokenizer()

@@ -287,6 +287,41 @@ def test_context_parallelism_refuses_vllm_whose_rows_differ_per_rank():
         )
 
 
+@pytest.mark.parametrize(
+    "setting", [{"scale_rewards": "batch"}, {"multi_objective_aggregation": "normalize_then_sum"}], ids=str
+)
+def test_context_parallelism_refuses_a_reward_std_over_the_batch(setting):
+    """A CP group's rows appear once per rank in TRL's gathered rewards: a batch-wide std would count them cp times."""
+    from trl_longstraw import LongStrawGRPOConfig
+
+    name, value = next(iter(setting.items()))
+    with pytest.raises(ValueError, match=f"context_parallel_size=2 with {name}='{value}': .*scale_rewards='group'"):
+        LongStrawGRPOConfig(
+            output_dir="unused",
+            context_parallel_size=2,
+            num_generations=2,
+            per_device_train_batch_size=2,
+            bf16=False,
+            **setting,
+        )
+
+
+def test_rewards_that_differ_within_a_context_parallel_group_are_refused():
+    """The gathered rewards `[world * rows, functions]` hold each CP group's rows once per rank: they must agree
+    (NaN, a function that does not apply to a row, agrees with NaN)."""
+    from trl_longstraw.context_parallel import ContextParallelError, ContextParallelGroup, check_same_rewards
+
+    cp = ContextParallelGroup(group=None, rank=0, size=2)
+    group = torch.tensor([[1.0, float("nan")], [2.0, 0.5], [3.0, 1.0]])
+    other_group = torch.tensor([[4.0, 2.0], [5.0, 0.0], [6.0, float("nan")]])
+    same = torch.cat([group, group, other_group, other_group])  # world 4 = dp 2 x cp 2, 3 rows per rank
+    check_same_rewards(same, cp, rows=3)
+    differing = same.clone()
+    differing[8, 0] += 1e-6  # rank 2 (second CP group, its first rank) vs rank 3
+    with pytest.raises(ContextParallelError, match="different rewards: .*deterministic"):
+        check_same_rewards(differing, cp, rows=3)
+
+
 # Three ranks: a middle rank receives recurrent state and hands it on (and relays its gradient back in exact mode),
 # ranks after the owner serve its recompute, attention sinks in the exact backward, DSA candidates from three ranks.
 THREE_RANK_CASES = [("qwen3_next", "exact"), ("gpt_oss", "exact"), ("glm_moe_dsa", "exact")]

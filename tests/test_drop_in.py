@@ -439,11 +439,13 @@ def test_callbacks_empty_cache_steps_and_profiling_keep_working(
 # ---------------------------------------------------------------------------------------------------------------------
 # What LongStraw relies on in TRL's loop
 # ---------------------------------------------------------------------------------------------------------------------
-# LongStraw copies no TRL method: it relies on these running as stock, in this shape. `training_step` must reach
+# LongStraw copies one TRL method, under context parallelism only: `get_high_entropy_mask` (its quantile then counts
+# each row once). It relies on the others running as stock, in this shape. `training_step` must reach
 # `compute_loss` under grad and back-propagate its result once; `_prepare_inputs` must generate through
 # `_generate_and_score_completions` and shuffle with `shuffle_sequence_dict`; `_generate` must tokenize through
 # `_tokenize_prompts` before generating; `_tool_call_loop` must generate each turn through `_generate_single_turn` with
-# the row's prompt, completion and tool results. (`_compute_loss` getting its log-probs from
+# the row's prompt, completion and tool results; `_calculate_rewards` must return every rank's rewards gathered in
+# rank order (checked for agreement within a CP group). (`_compute_loss` getting its log-probs from
 # `_get_per_token_logps_and_entropies` is checked by the parity tests, loss type by loss type.) Recorded for trl 1.16.0
 # and transformers 5.24.0.
 TRL_SOURCES = {
@@ -451,6 +453,8 @@ TRL_SOURCES = {
     "GRPOTrainer._prepare_inputs": "f824e7fb",
     "GRPOTrainer._generate": "2a27fdf8",
     "GRPOTrainer._tool_call_loop": "1c501f7f",
+    "GRPOTrainer._calculate_rewards": "736ae29b",
+    "GRPOTrainer.get_high_entropy_mask": "ce6e8628",
     "Trainer.training_step": "e9760c8e",
 }
 

@@ -192,6 +192,7 @@ class LongStrawGRPOConfig(GRPOConfig):
         self._validate_longstraw_fields()
         super().__post_init__()
         self._validate_context_parallel_batches()
+        self._validate_context_parallel_statistics()
 
     def _validate_context_parallel_batches(self) -> None:
         """The ranks of a CP group draw one rank's block of a generation batch (`context_parallel.SharedRowsSampler`)
@@ -208,6 +209,26 @@ class LongStrawGRPOConfig(GRPOConfig):
                 f"num_generations={self.num_generations}: make per_device_train_batch_size x steps_per_generation a "
                 "multiple of num_generations."
             )
+
+    def _validate_context_parallel_statistics(self) -> None:
+        """TRL's batch-wide reward statistics are taken over every rank's rows, in which a CP group's rows appear once
+        per rank (its ranks hold the same rows): a mean does not move, a standard deviation does. (The entropy
+        quantile is taken over each row once: `LongStrawGRPOTrainer.get_high_entropy_mask`.)"""
+        if self.context_parallel_size == 1:
+            return
+        batch_std = {
+            "scale_rewards": self.scale_rewards == "batch",
+            "multi_objective_aggregation": self.multi_objective_aggregation == "normalize_then_sum",
+        }
+        for name, uses_batch_std in batch_std.items():
+            if uses_batch_std:
+                raise ValueError(
+                    f"context_parallel_size={self.context_parallel_size} with {name}={getattr(self, name)!r}: TRL "
+                    "scales the advantages by a standard deviation over every rank's rows, and the ranks of a "
+                    "context-parallel group hold the same rows, so each would count context_parallel_size times and "
+                    "the advantages would be scaled differently from one process. Use scale_rewards='group' or "
+                    "'none' and multi_objective_aggregation='sum_then_normalize', or context_parallel_size=1."
+                )
 
     def _adopt_accelerate_context_parallel_size(self) -> None:
         """Take the context-parallel size from Accelerate's `parallelism_config` where the user configured it there,

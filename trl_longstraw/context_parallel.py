@@ -1019,6 +1019,29 @@ def check_same_rows(prompt_ids: list[list[int]], cp: ContextParallelGroup) -> No
         )
 
 
+def check_same_rewards(rewards: torch.Tensor, cp: ContextParallelGroup, rows: int) -> None:
+    """GRPOTrainer gathers the rewards of every rank, `[world * rows, reward functions]`: a CP group's ranks scored the
+    same rows, so their copies must agree. A reward that is not deterministic (a sampled judge, the clock) would give
+    each rank other advantages, and a rank skipping a flat-reward group would leave the others in its collectives.
+    Checked on the gathered tensor every rank holds, so every rank refuses alike."""
+    copies = rewards.view(-1, cp.size, rows, rewards.shape[-1])
+    first = copies[:, :1]
+    same = (copies == first) | (torch.isnan(copies) & torch.isnan(first))
+    if not bool(same.all()):
+        raise ContextParallelError(
+            f"The ranks of a context-parallel group (size {cp.size}) scored the same completions with different "
+            "rewards: a reward function returned different values on different ranks (each rank computes them). "
+            "Make the reward functions deterministic given their inputs (seed any randomness from them), or set "
+            "context_parallel_size=1."
+        )
+
+
+def leader_rows(tensor: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
+    """This rank's `tensor` where it is its CP group's first rank, else none of it: what a statistic gathered over
+    every rank should count once per CP group (the group's ranks hold the same rows)."""
+    return tensor if cp.rank == 0 else tensor[:0]
+
+
 def share_leader_inputs(inputs, cp: ContextParallelGroup):
     """Every rank of a CP group generates and trains on its first rank's rows, from its random state: the group then
     samples the same completions and computes the same loss, so its ranks replay the same members in lockstep. With

@@ -35,7 +35,9 @@ from .context_parallel import (
     SharedRowsSampler,
     build_context_parallel_group,
     check_prompt_length,
+    check_same_rewards,
     check_same_rows,
+    leader_rows,
     share_leader_inputs,
 )
 from .distributed import average_gradients
@@ -776,6 +778,28 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if self._context_parallel is not None:  # a CP group shares its prompts, so it must share its rows
             inputs = share_leader_inputs(inputs, self._context_parallel)
         return super()._generate_and_score_completions(inputs)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """GRPOTrainer's rewards of every rank; under context parallelism the copies of a CP group must agree
+        (`check_same_rewards`)."""
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self._context_parallel is not None:
+            check_same_rewards(rewards, self._context_parallel, len(prompts))
+        return rewards
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """GRPOTrainer's mask of the tokens at or above the entropy quantile `threshold` over every rank's tokens,
+        each row counted once: under context parallelism a CP group's ranks hold the same rows, and a quantile over
+        every copy would move its interpolation point, so only a CP group's first rank contributes its tokens."""
+        if self._context_parallel is None:
+            return super().get_high_entropy_mask(entropies, mask, threshold)
+        local = leader_rows(entropies[mask.bool()].float(), self._context_parallel)
+        pad_value = -1e9  # entropies are never negative: a sentinel for the padding across processes, as in TRL
+        gathered = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=pad_value))
+        gathered = gathered[gathered != pad_value]
+        if gathered.numel() == 0:
+            return torch.zeros_like(entropies, dtype=torch.bool)
+        return (entropies * mask.float() >= torch.quantile(gathered, threshold)) & mask.bool()
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._mode() == "eval":  # one evaluation's phases, logged with it (train flushes per optimizer step)
