@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	WANDB_MODE=offline $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --cpu \
+	WANDB_MODE=offline OMP_NUM_THREADS=2 $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --cpu \
 		--mixed_precision no --dynamo_backend no recipes/grpo_longstraw.py --config $(DEMO_CONFIG)
 
 test: $(STAMP)

@@ -266,7 +266,7 @@ class LongStrawGRPOConfig(GRPOConfig):
         for name in ("prefill_chunk_size", "attention_chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer (e.g. 2048).")
+                raise ValueError(f"{name}={value!r} must be a positive integer (e.g. 1024).")
         if self.prompt_state_device != "auto":
             self._validate_state_device()
         if self.prompt_state_dtype not in PROMPT_STATE_DTYPES:
