@@ -140,11 +140,15 @@ def compare(family: str, small_chars: int, demo_chars: int, group_size: int, com
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trainer", choices=("stock", "longstraw"), required=True)
-    parser.add_argument("--family", default="qwen3_5")
-    parser.add_argument("--prompt_chars", type=int, default=2048)
-    parser.add_argument("--group_size", type=int, default=8)
-    parser.add_argument("--completion_length", type=int, default=8)
+    from trl_longstraw.embedded import FAMILIES
+
+    parser.add_argument(
+        "--trainer", choices=("stock", "longstraw"), required=True, help="which trainer takes the step"
+    )
+    parser.add_argument("--family", default="qwen3_5", choices=list(FAMILIES), help="the embedded tiny model's family")
+    parser.add_argument("--prompt_chars", type=int, default=2048, help="needle-task prompt length, in characters")
+    parser.add_argument("--group_size", type=int, default=8, help="num_generations (G)")
+    parser.add_argument("--completion_length", type=int, default=8, help="max_completion_length")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     result = measure_step(args.trainer, args.family, args.prompt_chars, args.group_size, args.completion_length)
