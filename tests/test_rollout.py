@@ -145,6 +145,16 @@ def test_decoding_leaves_the_prompt_state_untouched(family):
     assert all(torch.equal(a, b) for a, b in zip(before, state.tensors(), strict=True))
 
 
+def test_a_max_length_the_prompt_fills_is_refused_as_generate_refuses_it():
+    """No `max_new_tokens` and a `max_length` the padded prompts already reach: generate's own error, not a rollout
+    with no room."""
+    model = build_model("qwen3", seed=0).float()
+    padded, _ = left_padded(random_prompts(model, [12]), 2)
+    config = generation_config(max_new_tokens=None, max_length=12)
+    with pytest.raises(ValueError, match="Input length of input_ids is 12, but `max_length` is set to 12"):
+        prepare_sampling(model, config, padded, torch.ones_like(padded))
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "glm_moe_dsa", "gemma3_text", "gpt_oss"])
 def test_decode_memory_is_one_prompt_state_plus_a_suffix_per_row(family):
     """Suffix bytes = rows x (capacity x per-token bytes + fixed windowed and recurrent bytes), from the state

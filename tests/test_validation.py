@@ -277,6 +277,20 @@ def test_max_new_tokens_in_generation_kwargs_counts_as_the_completion_length(
         )
 
 
+def test_vllm_max_tokens_in_generation_kwargs_does_not_count_for_generate(
+    fresh_model, tokenizer, prompt_dataset, tmp_path
+):
+    """`max_tokens` is vLLM's: transformers' generate ignores it, so it does not stand for the completion length."""
+    make_trainer(
+        LongStrawGRPOTrainer,
+        fresh_model(max_position_embeddings=24),
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        generation_kwargs={"max_tokens": 30},
+    )
+
+
 def longrope(original_max_position_embeddings):
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [8.0] * 8}
     rope["original_max_position_embeddings"] = original_max_position_embeddings

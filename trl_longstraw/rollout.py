@@ -109,6 +109,7 @@ def prepare_sampling(
         input_ids_length=padded_prompts.shape[1],
         inputs_tensor=padded_prompts,
     )
+    model._validate_generated_length(config, padded_prompts.shape[1], has_default_max_length)  # as generate does
     logits_processor = model._get_logits_processor(
         generation_config=config,
         input_ids_seq_length=padded_prompts.shape[1],

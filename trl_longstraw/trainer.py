@@ -302,7 +302,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         costliest part of a long-prompt step never runs for a batch the update would refuse.
         """
         generated, field_name = args.max_completion_length or 0, "max_completion_length"
-        for key in ("max_new_tokens", "max_tokens"):  # generate's, vLLM's
+        for key in ("max_tokens",) if args.use_vllm else ("max_new_tokens",):  # vLLM's, or generate's
             if (args.generation_kwargs or {}).get(key) is not None:
                 generated, field_name = args.generation_kwargs[key], f"generation_kwargs {key}"
         multiple = args.pad_to_multiple_of
