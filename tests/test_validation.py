@@ -262,33 +262,21 @@ def test_prompt_longer_than_the_model_positions(trainer, tokenizer):
         trainer.replay_and_backward(trainer.model, inputs)
 
 
-def test_max_new_tokens_in_generation_kwargs_counts_as_the_completion_length(
-    fresh_model, tokenizer, prompt_dataset, tmp_path
+# GRPOTrainer lets generation_kwargs override max_new_tokens: the generated tokens must fit the positions too. vLLM's
+# `max_tokens` does not stand for the completion length of transformers' generate, which ignores it.
+@pytest.mark.parametrize("key, refused", [("max_new_tokens", True), ("max_tokens", False)])
+def test_the_generated_length_generate_reads_from_generation_kwargs_must_fit_the_positions(
+    key, refused, fresh_model, tokenizer, prompt_dataset, tmp_path
 ):
-    # GRPOTrainer lets generation_kwargs override max_new_tokens: the generated tokens must fit the positions too
-    with pytest.raises(ValueError, match="generation_kwargs max_new_tokens=30 spans 31 positions.*=24"):
-        make_trainer(
-            LongStrawGRPOTrainer,
-            fresh_model(max_position_embeddings=24),
-            tokenizer,
-            prompt_dataset,
-            tmp_path,
-            generation_kwargs={"max_new_tokens": 30},
-        )
+    def build():
+        model = fresh_model(max_position_embeddings=24)
+        make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path, generation_kwargs={key: 30})
 
-
-def test_vllm_max_tokens_in_generation_kwargs_does_not_count_for_generate(
-    fresh_model, tokenizer, prompt_dataset, tmp_path
-):
-    """`max_tokens` is vLLM's: transformers' generate ignores it, so it does not stand for the completion length."""
-    make_trainer(
-        LongStrawGRPOTrainer,
-        fresh_model(max_position_embeddings=24),
-        tokenizer,
-        prompt_dataset,
-        tmp_path,
-        generation_kwargs={"max_tokens": 30},
-    )
+    if refused:
+        with pytest.raises(ValueError, match=f"generation_kwargs {key}=30 spans 31 positions.*=24"):
+            build()
+    else:
+        build()
 
 
 def longrope(original_max_position_embeddings):

@@ -26,10 +26,11 @@ def model_skeleton(config: PretrainedConfig, trust_remote_code: bool = False) ->
 
 def check_supported(model_or_config: nn.Module | PretrainedConfig, trust_remote_code: bool = False) -> list[LayerPlan]:
     """The layer plan of a model (or of a config's skeleton); raise `UnsupportedModelError` naming what is missing."""
-    if isinstance(model_or_config, PretrainedConfig):
-        config = model_or_config
-        check_deterministic_forward(config)
-        check_positions_from_the_model(config)
+    is_config = isinstance(model_or_config, PretrainedConfig)
+    config = model_or_config if is_config else model_or_config.config
+    check_deterministic_forward(config)
+    check_positions_from_the_model(config)
+    if is_config:
         try:
             model = model_skeleton(config, trust_remote_code=trust_remote_code)
         except ValueError as error:  # no causal-LM class for this config
@@ -39,8 +40,6 @@ def check_supported(model_or_config: nn.Module | PretrainedConfig, trust_remote_
             ) from error
     else:
         model = model_or_config
-        check_deterministic_forward(model.config)
-        check_positions_from_the_model(model.config)
     return plan_layers(model)
 
 

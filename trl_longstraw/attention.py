@@ -131,9 +131,8 @@ class KeyBlock:
     `shared` by every batch row (the prompt's pages, `[kv_heads, keys, d]`) or one set per row (the forward's own
     tokens, `[batch * kv_heads, keys, d]`), an optional DSA top-k `picked [batch, tokens, k]` (the keys each token
     picked, distinct per token as `topk` returns them, as indices into this block; an index outside `0 .. keys - 1`
-    picks a key of another block), and for fp8
-    pages `dequantize(keys, values, index) -> (keys, values)` in the compute dtype, given the entries' indices in the
-    block (a chunk, or the picked entries), applied as the block is read."""
+    picks a key of another block), and for fp8 pages `dequantize(keys, values, index) -> (keys, values)` in the
+    compute dtype, given the entries' indices in the block (a chunk, or the picked entries), applied as they are read."""
 
     positions: torch.Tensor
     shared: bool
@@ -371,7 +370,7 @@ class _Picked:
         key_positions = block.positions.to(q.device)[self.index]
         self.visible = inside & visible_pairs(q_positions[None, :, None], key_positions, visibility)
         per_row = width * (heads + self.kv_heads * (self.dim + self.value_dim))
-        step = max(1, self.tokens * heads * chunk_size // max(per_row, 1))
+        step = max(1, self.tokens * heads * chunk_size // per_row)
         self.spans = [slice(start, min(start + step, self.tokens)) for start in range(0, self.tokens, step)]
 
     def gather(self, span: slice, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:

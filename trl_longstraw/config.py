@@ -216,12 +216,8 @@ class LongStrawGRPOConfig(GRPOConfig):
         quantile is taken over each row once: `LongStrawGRPOTrainer.get_high_entropy_mask`.)"""
         if self.context_parallel_size == 1:
             return
-        batch_std = {
-            "scale_rewards": self.scale_rewards == "batch",
-            "multi_objective_aggregation": self.multi_objective_aggregation == "normalize_then_sum",
-        }
-        for name, uses_batch_std in batch_std.items():
-            if uses_batch_std:
+        for name, batch_std in (("scale_rewards", "batch"), ("multi_objective_aggregation", "normalize_then_sum")):
+            if getattr(self, name) == batch_std:
                 raise ValueError(
                     f"context_parallel_size={self.context_parallel_size} with {name}={getattr(self, name)!r}: TRL "
                     "scales the advantages by a standard deviation over every rank's rows, and the ranks of a "
