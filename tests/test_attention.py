@@ -144,6 +144,18 @@ def test_the_cuda_kernel_calls_are_well_formed(monkeypatch):
     assert (dq.shape, dk.shape, dv.shape) == (query.shape, key.shape, value.shape)
 
 
+def test_the_cuda_backward_gets_its_operands_laid_out_as_its_forward_returns_them():
+    """The causal own block's output comes `[groups, heads, rows, dv]`-contiguous and its log-sum-exp compact; the
+    CUDA kernel reads the output at a row stride of `heads * dv` and wants log-sum-exp strides multiple of 8."""
+    out = torch.randn(3, 4, 5, 6)  # [batch, heads, rows, dv], rows-within-head contiguous
+    lse = torch.randn(3, 4, 5)
+    laid_out, padded = attention.efficient_backward_operands(out, lse)
+    assert torch.equal(laid_out, out) and laid_out.transpose(1, 2).is_contiguous()
+    assert laid_out.stride(2) == 4 * 6  # a row of every head, then the next row
+    assert padded.shape == (3, 4, 32) and padded.stride(0) % 8 == 0 and padded.stride(1) % 8 == 0
+    assert torch.equal(padded[..., :5], lse) and torch.all(padded[..., 5:] == 0)
+
+
 def test_value_head_narrower_than_the_key_head():
     """MLA reads latent pages as keys and their first `rank` columns as values."""
     fused, plain = inputs(torch.float32, value_dim=5), inputs(torch.float64, value_dim=5)
@@ -164,9 +176,19 @@ def top_k(k: int, seed: int = 1) -> torch.Tensor:
     return picked
 
 
+@pytest.fixture(params=["pages-here", "pages-elsewhere"])
+def page_placement(request, monkeypatch):
+    """ "pages-elsewhere": the prompt's pages as host-resident state on a GPU has them, on another device than the
+    queries, so each picked entry is staged once before the gathers (forced here: this machine has one device)."""
+    if request.param == "pages-elsewhere":
+        monkeypatch.setattr(attention, "pages_elsewhere", lambda keys, q: True)
+    return request.param
+
+
 @pytest.mark.parametrize("softcap", [None, 1.5])
 @pytest.mark.parametrize("visibility", ["causal", "window"])
 @pytest.mark.parametrize("chunk", [1, 64])  # 1: one query token per gathering step
+@pytest.mark.usefixtures("page_placement")
 def test_dsa_top_k_reads_only_the_picked_keys(chunk, visibility, softcap):
     """The gathered path (each token's picked keys only) equals a softmax over every key masked by the top-k."""
     tensors = inputs(torch.float64)
@@ -178,6 +200,7 @@ def test_dsa_top_k_reads_only_the_picked_keys(chunk, visibility, softcap):
 
 @pytest.mark.parametrize("softcap", [None, 1.5])
 @pytest.mark.parametrize("chunk", [1, 64])
+@pytest.mark.usefixtures("page_placement")
 def test_dsa_top_k_gradients_float64(chunk, softcap):
     """gradcheck of the gathered path: queries, prompt and own keys and values (gradients scattered back to the
     picked entries, summed where several tokens picked one), and sinks."""
@@ -229,6 +252,20 @@ def test_bf16_under_autocast_accumulates_like_fp32(device="cpu"):
         assert (ours_bf16.grad.float() - fp32_of_rounded.grad).abs().max() <= 2e-2 * scale
 
 
+def test_pages_elsewhere_stage_each_picked_entry_once(monkeypatch):
+    """Host-resident pages cross once per distinct entry picked, not once per query that picked it."""
+    monkeypatch.setattr(attention, "pages_elsewhere", lambda keys, q: True)
+    q, pages, _, _, _, _ = inputs(torch.float64)
+    picked = top_k(6, seed=5)
+    block = KeyBlock(torch.arange(PREFIX), shared=True, picked=picked)
+    staged = attention._Picked(q, pages, pages, block, torch.arange(PREFIX, PREFIX + TOKENS), CAUSAL, 64)
+    prompt_picks = picked[picked < PREFIX]
+    distinct = set(prompt_picks.tolist())
+    assert distinct <= set(staged.entries.tolist()) <= distinct | {0}  # 0: where a token picked fewer here
+    assert staged.keys.shape[1] == staged.entries.numel() < prompt_picks.numel()
+
+
+@pytest.mark.usefixtures("page_placement")
 def test_dsa_top_k_with_values_that_are_the_keys_first_columns():
     """MLA passes its latent pages as keys and their first columns as values (one tensor): one gather, and both
     gradients land in the pages, as with two separate tensors."""

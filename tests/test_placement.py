@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from trl_longstraw import attention
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine
 from trl_longstraw.state.placement import FP8_MAX, FP8_PAGE_TOKENS, Pages, Placement, dequantize_pages
@@ -73,6 +74,24 @@ def test_fp8_state_halves_the_pages_and_scores_close_to_the_model_dtype(family):
     fp8_bytes = sum(t.numel() * t.element_size() for t in fp8)
     assert fp8_bytes <= 0.55 * full_bytes  # 1 byte instead of 2, plus one fp32 scale per 64 tokens and head
     assert (got.float() - want.float()).abs().max() <= 0.05
+
+
+@pytest.mark.parametrize("prompt_state_dtype", ["auto", "float8_e4m3fn"])
+def test_dsa_pages_staged_from_another_device_give_the_same_state_and_scores(monkeypatch, prompt_state_dtype):
+    """Host-resident DSA pages on a GPU stage each picked entry once (`attention.pages_elsewhere`, forced here: one
+    device): the same capture and the same log-probs, bit for bit, fp8 entries dequantised with their pages' scales."""
+    model = prepared(build_model("glm_moe_dsa", dtype=torch.bfloat16))
+    prompt, completions, lengths = case(prompt_length=257)
+    engine = LongStrawEngine(64, 50, prompt_state_dtype=prompt_state_dtype)
+    results = []
+    for elsewhere in (False, True):
+        monkeypatch.setattr(attention, "pages_elsewhere", lambda keys, q, elsewhere=elsewhere: elsewhere)
+        with torch.no_grad():
+            state = engine.capture(model, prompt, 0)
+            results.append((state.tensors(), engine.score(model, state, prompt[-1:], completions, lengths, 3)[0]))
+    (here, scored_here), (staged, scored_staged) = results
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(here, staged, strict=True))
+    assert torch.equal(scored_here, scored_staged)
 
 
 def test_fp8_state_replays_in_detach_mode_and_stays_unchanged():

@@ -65,6 +65,7 @@ def _fused_backward_kernel(d_out, query, key, value, out, lse, causal: bool, sca
             d_out, query, key, value, out, lse, 0.0, causal, scale=scaling
         )
     no_dropout = torch.zeros((), dtype=torch.int64, device=query.device)  # philox seed and offset, unread
+    out, lse = efficient_backward_operands(out, lse)
     return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         d_out,
         query,
@@ -72,7 +73,7 @@ def _fused_backward_kernel(d_out, query, key, value, out, lse, causal: bool, sca
         value,
         None,
         out,
-        lse.contiguous(),
+        lse,
         no_dropout,
         no_dropout,
         0.0,
@@ -80,6 +81,17 @@ def _fused_backward_kernel(d_out, query, key, value, out, lse, causal: bool, sca
         causal,
         scale=scaling,
     )[:3]
+
+
+def efficient_backward_operands(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`out [batch, heads, rows, dv]` and `lse [batch, heads, rows]` laid out as the CUDA memory-efficient backward
+    reads them, which is how its forward returns them: `out` contiguous as `[batch, rows, heads, dv]` (its
+    half-precision kernels read rows at a fixed stride of `heads * dv`), `lse` padded to a multiple of 32 rows (the
+    kernel refuses a log-sum-exp whose batch and head strides are not multiples of 8)."""
+    rows = lse.shape[-1]
+    padded = lse.new_zeros((*lse.shape[:-1], -(-rows // 32) * 32))
+    padded[..., :rows] = lse
+    return out.transpose(1, 2).contiguous().transpose(1, 2), padded
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -313,6 +325,19 @@ def merge_by_lse(
     return out.to(out_a.dtype), lse
 
 
+def pages_elsewhere(keys: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether a block's keys live on another device than the queries (host-resident prompt state)."""
+    return keys.device != q.device
+
+
+def select_entries(pages: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`pages [heads, entries, d]` at entry indices `index`; fp8 pages by their bytes (a gather moves bytes, and not
+    every device's `index_select` takes fp8)."""
+    if pages.dtype == torch.float8_e4m3fn:
+        return pages.view(torch.uint8).index_select(1, index).view(pages.dtype)
+    return pages.index_select(1, index)
+
+
 def _chunks(q, keys, values, block: KeyBlock, fold: _Fold, q_positions, visibility, chunk_size, softcap):
     """The block's key chunks, staged onto the compute device (host-resident prompt state moves chunk by chunk).
 
@@ -349,6 +374,7 @@ class _Picked:
         self.batch, heads, self.tokens, self.dim = q.shape
         self.value_dim = values.shape[-1]
         self.keys, self.values, self.block = keys, values, block
+        self.pages = (keys, values)  # the block's own tensors (`keys`/`values` become the staged entries, if staged)
         self.values_in_keys = (  # MLA: the values are the keys' first columns, a view of the same pages
             values.data_ptr() == keys.data_ptr()
             and values.stride() == keys.stride()
@@ -369,22 +395,49 @@ class _Picked:
         self.index = torch.where(inside, picked, torch.zeros_like(picked))  # [batch, tokens, width]
         key_positions = block.positions.to(q.device)[self.index]
         self.visible = inside & visible_pairs(q_positions[None, :, None], key_positions, visibility)
+        self.entries = None  # the block's indices of the staged entries, when the pages live elsewhere
+        if block.shared and pages_elsewhere(keys, q):
+            self._stage_picked_entries(q.device)
         per_row = width * (heads + self.kv_heads * (self.dim + self.value_dim))
         step = max(1, self.tokens * heads * chunk_size // per_row)
         self.spans = [slice(start, min(start + step, self.tokens)) for start in range(0, self.tokens, step)]
 
+    def _stage_picked_entries(self, device: torch.device) -> None:
+        """Move the entries some query picked onto `device`, each once, and index them there from then on.
+
+        Host-resident pages would otherwise cross once per query that picked them: a capture chunk's tokens x k picks
+        are many times the prompt's length (GLM-5: 8,192 x 2,048 per chunk over at most 2M keys), where the distinct
+        entries are at most the block (what staging it chunk by chunk, as dense blocks are, would move). fp8 entries
+        stay fp8 until gathered."""
+        self.entries, self.index = torch.unique(self.index, return_inverse=True)
+        where = self.entries.to(self.keys.device)
+        self.keys = select_entries(self.keys, where).to(device, non_blocking=True)
+        self.values = (
+            self.keys[..., : self.value_dim]
+            if self.values_in_keys
+            else select_entries(self.values, where).to(device, non_blocking=True)
+        )
+
+    def _unstage(self, grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+        """A staged entries' gradient in the block's layout, on its tensors' device (zeros where nothing picked)."""
+        if grad is None or self.entries is None:
+            return grad
+        full = torch.zeros((*like.shape[:-1], grad.shape[-1]), dtype=grad.dtype, device=like.device)
+        return full.index_add_(1, self.entries.to(like.device), grad.to(like.device))
+
     def gather(self, span: slice, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values the tokens of `span` picked, `[batch, kv_heads, tokens, k, d]` in `dtype`."""
         index = self.index[:, span]
-        if self.block.shared:  # [kv_heads, keys, d]: the pages, possibly host-resident or fp8
+        if self.block.shared:  # [kv_heads, keys, d]: the pages (or the entries staged from them), possibly fp8
             where = index.reshape(-1).to(self.keys.device)
-            keys = self.keys.index_select(1, where).to(device, non_blocking=True)
+            keys = select_entries(self.keys, where).to(device, non_blocking=True)
             if self.values_in_keys:  # MLA: the values are the latents, the keys' first columns (one gather)
                 values = keys[..., : self.value_dim]
             else:
-                values = self.values.index_select(1, where).to(device, non_blocking=True)
+                values = select_entries(self.values, where).to(device, non_blocking=True)
             if self.block.dequantize is not None:
-                keys, values = self.block.dequantize(keys, values, where)
+                entries = where if self.entries is None else self.entries[where]
+                keys, values = self.block.dequantize(keys, values, entries)
             shape = (self.kv_heads, *index.shape, -1)
             keys, values = keys.view(shape).transpose(0, 1), values.reshape(shape).transpose(0, 1)
         else:  # [batch * kv_heads, keys, d]: each row's own, gathered as rows of `[batch * kv_heads * keys, d]`
@@ -458,6 +511,9 @@ class _Picked:
                 self.scatter(d_keys, torch.einsum("bvgtk,bvgtd->bvtkd", d_scores, q_span), span)
             if need_v:
                 self.scatter(d_values, torch.einsum("bvgtk,bvgte->bvtke", probs, d_out_span), span)
+        if self.entries is not None:
+            d_keys = self._unstage(d_keys, self.pages[0])
+            d_values = None if merged else self._unstage(d_values, self.pages[1])
         return dq, d_keys, None if merged else d_values
 
     def scatter(self, grad: torch.Tensor, picked_grad: torch.Tensor, span: slice) -> None:
