@@ -15,35 +15,47 @@
 #    G = 8 members, one replay of R = 512 with its backward; per-phase time and max_memory_allocated), TF32 on for
 #    the fp32 attention tiles.
 # Everything lands in $OUT (default benchmarks/results/gpu-h200): environment, test log and JUnit XML, the sweep's
-# results.json/csv, plots and summary.md, long_prompt.json and each step's log. PYTHON selects the interpreter that
-# has CUDA torch and this project's deps.
+# results.json/csv, plots and summary.md, long_prompt.json and each step's log; with ARCHIVE=path.tgz also as one
+# archive (the device tool brings back only a few files). PYTHON selects the interpreter that has CUDA torch.
+# The packages the lent machine's image lacks or has older (transformers, trl, peft, datasets, fla) travel as wheels:
+# `bash benchmarks/gpu_wheels.sh` here fills .whl/, the device call carries it, and this script installs them into
+# /tmp/site (beside the image's packages, nothing fetched). On the device tool:
+#   run(command="OUT=/tmp/gpu ARCHIVE=$OUT/gpu-h200.tgz bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-benchmarks/results/gpu-h200}
 mkdir -p "$OUT"
+if [ -d .whl ]; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
 START=$SECONDS
+# SIGINT first: pytest still writes its summary and JUnit XML, a sweep its finished configurations
+run_for() { timeout -s INT -k 15 "$@"; }
 
-{ nvidia-smi; "$PYTHON" -c "import torch, transformers, trl; print(torch.__version__, torch.version.cuda, transformers.__version__, trl.__version__)"; "$PYTHON" -c "import triton, fla; print('triton', triton.__version__, 'fla', fla.__version__)" || echo "no triton/fla: torch GatedDeltaNet fallback"; } > "$OUT/environment.txt" 2>&1
+{ nvidia-smi; "$PYTHON" -c "import torch, transformers, trl; print(torch.__version__, torch.version.cuda, transformers.__version__, trl.__version__)"; "$PYTHON" -m pip list 2>/dev/null | grep -i -E "^(accelerate|peft|datasets|pyarrow|huggingface.hub|tokenizers|triton) "; "$PYTHON" -c "import triton, fla; print('triton', triton.__version__, 'fla', fla.__version__)" || echo "no triton/fla: torch GatedDeltaNet fallback"; } > "$OUT/environment.txt" 2>&1
 "$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
 
-timeout 120 "$PYTHON" -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "not context_parallel" \
+run_for 120 "$PYTHON" -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "not context_parallel" \
     --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.txt" 2>&1
 echo "gpu tests exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/gpu-tests.txt"
-timeout 60 "$PYTHON" -m pytest tests/test_gpu.py -q -p no:cacheprovider -k context_parallel \
+run_for 60 "$PYTHON" -m pytest tests/test_gpu.py -q -p no:cacheprovider -k context_parallel \
     --junitxml="$OUT/gpu-cp-tests.xml" > "$OUT/gpu-cp-tests.txt" 2>&1
 echo "gpu context-parallel tests exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/gpu-cp-tests.txt"
 
-timeout 160 "$PYTHON" benchmarks/sweep.py --model-preset hybrid-qwen35-gpu --device cuda --dtype bfloat16 \
+run_for 160 "$PYTHON" benchmarks/sweep.py --model-preset hybrid-qwen35-gpu --device cuda --dtype bfloat16 \
     --longstraw-ref worktree --modes stock-batched,stock-serialized,longstraw-detach,longstraw-exact \
     --prompt-lengths 8192,32768,131072 --group-sizes 8 --grid longstraw-detach:32768:2 --completion-length 512 \
     --prefill-chunk-size 16384 --attention-chunk-size 16384 --time-cap-s 45 --budget-gib 100 --threads 8 \
     --reference-p 32768 --out "$OUT" > "$OUT/sweep.log" 2>&1
 echo "sweep exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/sweep.log"
 
-timeout 125 "$PYTHON" benchmarks/long_prompt_point.py --preset hybrid-qwen35-gpu --device cuda --dtype bfloat16 \
+run_for 125 "$PYTHON" benchmarks/long_prompt_point.py --preset hybrid-qwen35-gpu --device cuda --dtype bfloat16 \
     --prompt-state-dtype float8_e4m3fn --prompt-lengths 131072,262144,524288,1048576,2097152 --group-size 8 \
     --completion-length 512 --prefill-chunk-size 8192 --attention-chunk-size 8192 --allow-tf32 --budget-s 105 \
     --out "$OUT/long_prompt.json" > "$OUT/long_prompt.log" 2>&1
 echo "long-prompt point exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/long_prompt.log"
+[ -n "${ARCHIVE:-}" ] && tar czf "$ARCHIVE" -C "$(dirname "$OUT")" "$(basename "$OUT")"

@@ -118,6 +118,20 @@ def test_a_cuda_span_reads_the_allocator_and_resets_no_peak_statistic(monkeypatc
     assert meter.stop() == (300, 0)
 
 
+def test_a_model_split_over_gpus_reports_the_device_with_the_highest_peak(monkeypatch):
+    """`device_map` over two GPUs (and a host-resident module, not measured as a GPU): each GPU is read, and the span
+    reports the one that came closest to running out."""
+    allocated = {"cuda:0": 100, "cuda:1": 50}
+    high_water = {"cuda:0": 500, "cuda:1": 500}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: allocated[str(device)])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: high_water[str(device)])
+    meter = MemoryMeter([torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)])
+    assert meter.devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    meter.start()
+    allocated["cuda:1"], high_water["cuda:1"] = 200, 700  # cuda:1 set its high-water mark: exact there
+    assert meter.stop() == (700, 650)
+
+
 @pytest.mark.slow
 def test_evaluation_phases_are_logged_with_evaluation_not_folded_into_training(
     fresh_model, tokenizer, prompt_dataset, tmp_path

@@ -156,6 +156,13 @@ def test_disable_dropout_false_is_accepted_for_a_model_without_dropout(tmp_path,
     assert trainer.args.disable_dropout is False
 
 
+def test_layers_offloaded_by_a_device_map_are_refused(tmp_path, tokenizer, prompt_dataset):
+    model = build_model("qwen3")
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "disk", "lm_head": "cpu"}
+    with pytest.raises(ValueError, match=r"offloads \['lm_head', 'model.layers.1'\] to cpu/disk.*max_memory"):
+        make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path)
+
+
 @pytest.mark.parametrize("variable, value", [("ACCELERATE_USE_DEEPSPEED", "true"), ("ACCELERATE_USE_FSDP", "1")])
 def test_deepspeed_or_fsdp_from_an_accelerate_config_is_refused(tmp_path, monkeypatch, variable, value):
     monkeypatch.setenv(variable, value)  # transformers reads these with strtobool

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import AttentionInterface
@@ -683,7 +683,9 @@ def attention_over_blocks(
     """Attention of `q [batch, heads, tokens, d]` at absolute `q_positions [tokens]` over `(keys, values, KeyBlock)`
     blocks, as one softmax; returns `o [batch, heads, tokens, dv]`. See `BlockAttention`."""
     tensors = [t for keys, values, _ in blocks for t in (keys, values)]
-    specs = tuple(block for _, _, block in blocks)
+    # Positions are built where the inputs enter the model: under `device_map` this layer may compute elsewhere
+    specs = tuple(replace(block, positions=block.positions.to(q.device)) for _, _, block in blocks)
+    q_positions = q_positions.to(q.device)
     return BlockAttention.apply(q, sinks, q_positions, scaling, visibility, chunk_size, softcap, specs, *tensors)
 
 

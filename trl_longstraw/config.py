@@ -50,7 +50,8 @@ class LongStrawGRPOConfig(GRPOConfig):
         attention_chunk_size (`int`, *optional*, defaults to `4096`):
             Prompt keys per step of the prefix attention.
         prompt_state_device (`str`, *optional*, defaults to `"auto"`):
-            Where the prompt state lives: `"auto"` (the model's device), `"cpu"`, or any available torch device.
+            Where the prompt state lives: `"auto"` (where each layer computes: the model's device, or each layer's own
+            when `device_map` splits the model over GPUs), `"cpu"`, or any available torch device.
         prompt_state_dtype (`str`, *optional*, defaults to `"auto"`):
             `"auto"` keeps the prompt state in the model's dtype; `"float8_e4m3fn"` keeps attention K/V pages in fp8
             with one scale per (64-token page, kv head), and MLA latent pages with one scale per page, half the bytes
@@ -109,8 +110,9 @@ class LongStrawGRPOConfig(GRPOConfig):
     prompt_state_device: str = field(
         default="auto",
         metadata={
-            "help": "Where the captured prompt state lives: 'auto' (the model's device), 'cpu' (host memory, staged "
-            "chunk by chunk onto the compute device when read), or an available torch device such as 'cuda:1'."
+            "help": "Where the captured prompt state lives: 'auto' (where each layer computes: the model's device, or "
+            "each layer's own when device_map splits the model over GPUs), 'cpu' (host memory, staged chunk by chunk "
+            "onto the compute device when read), or an available torch device such as 'cuda:1'."
         },
     )
     prompt_state_dtype: str = field(

@@ -890,7 +890,7 @@ class ContextParallelEngine(LongStrawEngine):
             num_tokens,
             first_position,
             cp,
-            device=self.state_device or self._device(model),
+            device=self.state_device,
             weights_version=weights_version(model),
             exact=self.prompt_gradient == "exact",
             fp8_pages=self.prompt_state_dtype == "float8_e4m3fn",

@@ -147,7 +147,8 @@ class LongStrawEngine:
     Args:
         prefill_chunk_size: prompt tokens per no-grad capture forward; bounds the capture's activations.
         attention_chunk_size: prompt keys per step of the prefix attention; bounds its score matrix.
-        state_device: where prompt state lives (`None`: the model's device).
+        state_device: where prompt state lives (`None`: where each layer computes, the model's device or, with the
+            model split over devices by `device_map`, each layer's own).
         prompt_gradient: "detach" (state is a constant) or "exact" (state gradients pushed into the parameters).
         prompt_state_dtype: "auto" (the model's dtype) or "float8_e4m3fn" (attention K/V and MLA latent pages in fp8
             with per-(page, head) scales, dequantised chunk by chunk as read; detach mode only).
@@ -175,7 +176,7 @@ class LongStrawEngine:
             plan_layers(model),
             num_tokens=num_tokens,
             start_position=first_position,
-            device=self.state_device or self._device(model),
+            device=self.state_device,
             weights_version=weights_version(model),
             exact=self.prompt_gradient == "exact",
             fp8_pages=self.prompt_state_dtype == "float8_e4m3fn",

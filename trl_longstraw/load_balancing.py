@@ -67,12 +67,12 @@ class RouterLoad:
     def of(cls, router_logits: tuple[torch.Tensor, ...], routing: MoeRouting, mask: torch.Tensor) -> RouterLoad:
         """The sums over the tokens of one forward, `router_logits` one `[tokens, experts]` tensor per MoE layer and
         `mask` its `[batch, seq]` attention mask, as `load_balancing_loss_func` takes them (the same arithmetic)."""
-        device = router_logits[0].device
+        device = mask.device  # where the inputs are: each layer's logits are summed there (`device_map`)
         flat_mask = mask.reshape(-1).to(device=device, dtype=torch.float32)
         counts = torch.zeros(routing.num_experts, dtype=torch.float32, device=device)
         probs = torch.zeros(routing.num_experts, dtype=torch.float32, device=device)
         for layer_logits in router_logits:
-            weights = torch.nn.functional.softmax(layer_logits, dim=-1)
+            weights = torch.nn.functional.softmax(layer_logits.to(device), dim=-1)
             _, selected = torch.topk(weights, routing.top_k, dim=-1)
             counts = counts.scatter_add(0, selected.reshape(-1), flat_mask.repeat_interleave(routing.top_k))
             probs = probs + (weights.float() * flat_mask.unsqueeze(-1)).sum(dim=0)

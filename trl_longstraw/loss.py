@@ -67,7 +67,7 @@ def member_backward(
     """Back-propagate one replayed member's share of the loss into the parameters (and the prompt-state leaves);
     `router_objective` is its tokens' share of the load-balancing loss (`RouterLoad.objective`), back-propagated
     with gradient 1."""
-    outputs, grads = [logps], [grad_logps.to(logps.dtype)]
+    outputs, grads = [logps], [grad_logps.to(logps)]  # the LM head's device, under `device_map` not the loss's
     if router_objective is not None:
         outputs.append(router_objective)
         grads.append(torch.ones_like(router_objective))
@@ -75,5 +75,5 @@ def member_backward(
         if entropies is None:
             raise RuntimeError("the loss uses entropies but the model's fused LM head does not compute them")
         outputs.append(entropies)
-        grads.append(grad_entropies.to(entropies.dtype))
+        grads.append(grad_entropies.to(entropies))
     torch.autograd.backward(outputs, grads)

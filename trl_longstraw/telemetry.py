@@ -8,7 +8,8 @@ What the memory numbers are, and why:
   largest of `memory_allocated()` at the phase's start and end and of samples taken every `interval_s` while it runs
   (a lower bound). `cuda_allocated_added_gib` is that peak minus the allocation at the phase's start: what the phase
   itself added on top of the weights, optimizer state and everything else alive. Reading allocator statistics needs
-  no device synchronisation (the allocator accounts on the host, when work is issued).
+  no device synchronisation (the allocator accounts on the host, when work is issued). A model split over GPUs by
+  `device_map` has each of its devices measured, and a phase reports the device whose peak was highest.
 - **Host**: `rss_peak_gib` is the process's resident set (`/proc/self/statm`) at its highest among samples taken at
   the phase's start and end and every `interval_s` in between; `rss_added_gib` is that peak minus the resident set at
   the phase's start. Resident memory is the whole process (weights, Python, the allocator's cache), so the added value
@@ -104,52 +105,68 @@ def shared_sampler(key: str, read: Callable[[], int], interval_s: float) -> Peak
 
 
 class MemoryMeter:
-    """The peak memory of one span and what the span added, on CUDA (allocator) or on the host (sampled RSS)."""
+    """The peak memory of one span and what the span added, on CUDA (allocator) or on the host (sampled RSS).
 
-    def __init__(self, device: torch.device, interval_s: float = 0.005):
-        self.cuda = device.type == "cuda"
-        self.device = device
+    Several devices (a model split by `device_map`): each CUDA device among them is measured, and the span reports
+    the one whose peak was highest, the one such a model runs out of first."""
+
+    def __init__(self, devices: torch.device | list[torch.device], interval_s: float = 0.005):
+        devices = [torch.device(device) for device in (devices if isinstance(devices, list) else [devices])]
+        gpus = [device for device in devices if device.type == "cuda"]
+        self.cuda = bool(gpus)
+        self.devices = gpus or devices[:1]
         if self.cuda:
             self.keys = ("cuda_allocated_peak_gib", "cuda_allocated_added_gib")
-            self.sampler = shared_sampler(str(device), lambda: torch.cuda.memory_allocated(device), interval_s)
+            self.samplers = [
+                shared_sampler(str(device), lambda device=device: torch.cuda.memory_allocated(device), interval_s)
+                for device in gpus
+            ]
         elif read_rss_bytes() is not None:
             self.keys = ("rss_peak_gib", "rss_added_gib")
-            self.sampler = shared_sampler("rss", lambda: read_rss_bytes() or 0, interval_s)
+            self.samplers = [shared_sampler("rss", lambda: read_rss_bytes() or 0, interval_s)]
         else:
-            self.keys, self.sampler = (), None
+            self.keys, self.samplers = (), []
+
+    def _high_water(self, device: torch.device) -> int:
+        return torch.cuda.max_memory_allocated(device) if self.cuda else 0
 
     def start(self) -> None:
         """Open a span (spans do not nest)."""
-        if self.sampler is None:
-            return
-        high_water = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
-        self._started = (self.sampler.start(), high_water)
+        self._started = [
+            (sampler.start(), self._high_water(device))
+            for sampler, device in zip(self.samplers, self.devices, strict=True)
+        ]
 
     def stop(self) -> tuple[int, int] | None:
         """`(peak, added)` bytes for the span `start()` opened (None where memory is not measured)."""
-        if self.sampler is None:
+        if not self.samplers:
             return None
-        at_start, high_water_at_start = self._started
-        peak = self.sampler.stop()
-        if self.cuda:
-            high_water = torch.cuda.max_memory_allocated(self.device)
-            if high_water > high_water_at_start:  # this span set the process's high-water mark: exact
-                peak = high_water
-        return peak, max(peak - at_start, 0)
+        measured = []
+        for sampler, device, (at_start, high_water_at_start) in zip(
+            self.samplers, self.devices, self._started, strict=True
+        ):
+            peak = sampler.stop()
+            if self._high_water(device) > high_water_at_start:  # this span set the high-water mark: exact
+                peak = self._high_water(device)
+            measured.append((peak, max(peak - at_start, 0)))
+        return max(measured)
 
 
 class PhaseTelemetry:
     """Accumulates phase times, peaks and counts per mode ("train"/"eval") until `flush(mode)` hands them over."""
 
-    def __init__(self, device: torch.device, enabled: bool = True, synchronize: bool = False):
+    def __init__(self, devices: torch.device | list[torch.device], enabled: bool = True, synchronize: bool = False):
         self.enabled = enabled
-        self.device = device
-        self.synchronize = synchronize and device.type == "cuda"
-        self.meter = MemoryMeter(device)
+        self.meter = MemoryMeter(devices)
+        self.synchronize = synchronize and self.meter.cuda
         self._seconds = {mode: defaultdict(float) for mode in MODES}
         self._counts = {mode: defaultdict(int) for mode in MODES}
         self._peaks: dict[str, dict[str, tuple[int, int]]] = {mode: {} for mode in MODES}
         self._state_bytes: dict[str, int] = {}
+
+    def _synchronize(self) -> None:
+        for device in self.meter.devices:
+            torch.cuda.synchronize(device)
 
     @contextlib.contextmanager
     def phase(self, name: str, mode: str = "train") -> Iterator[None]:
@@ -159,14 +176,14 @@ class PhaseTelemetry:
             yield
             return
         if self.synchronize:
-            torch.cuda.synchronize(self.device)
+            self._synchronize()
         self.meter.start()
         begin = time.perf_counter()
         try:
             yield
         finally:
             if self.synchronize:
-                torch.cuda.synchronize(self.device)
+                self._synchronize()
             self._seconds[mode][name] += time.perf_counter() - begin
             self._counts[mode][name] += 1
             measured = self.meter.stop()

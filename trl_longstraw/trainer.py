@@ -137,6 +137,24 @@ def check_adapter(peft_config) -> None:
         )
 
 
+def model_devices(model) -> list[torch.device]:
+    """The devices a model's weights occupy: one, or each of those a `device_map` split it over."""
+    return sorted({param.device for param in model.parameters()}, key=str)
+
+
+def check_device_map(model) -> None:
+    """Refuse layers offloaded by `device_map` ("cpu" or "disk" beside GPUs): their weights are brought in per forward
+    (the captured state could not tell whether they moved), and PEFT cannot train adapters on them."""
+    device_map = getattr(model, "hf_device_map", None) or {}
+    offloaded = sorted(name for name, where in device_map.items() if where in ("cpu", "disk"))
+    if offloaded and len(offloaded) < len(device_map):
+        raise ValueError(
+            f"The model's device_map offloads {offloaded[:3]}{' ...' if len(offloaded) > 3 else ''} to cpu/disk. "
+            "LongStrawGRPOTrainer needs every layer's weights on a device it computes on: give the model more GPUs "
+            "or memory (device_map='auto' with max_memory in model_init_kwargs), or quantise it (load_in_4bit)."
+        )
+
+
 def check_dropout_off(model) -> None:
     """Refuse active dropout: a replay must reproduce the log-probs its loss gradient was computed from, and a new
     dropout sample per forward would not."""
@@ -220,6 +238,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         else:
             config = model.config
             check_supported(model)
+            check_device_map(model)
             if is_peft_model(model):
                 check_adapter(model.active_peft_config)
         self._check_positions(config, args, prompt_width=1)
@@ -227,6 +246,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         for policy_or_ref in (self.model, self.ref_model):
             if policy_or_ref is not None:
                 check_dropout_off(policy_or_ref)
+                check_device_map(self._causal_lm(policy_or_ref))
         if self._is_vlm:
             raise ValueError("LongStrawGRPOTrainer supports text-only causal LMs; this model is vision-language.")
         # TRL adds the MoE load-balancing loss over every token of prompt + completion: summed apart (load_balancing.py)
@@ -249,8 +269,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             routing=routing,
             context_parallel=self._context_parallel,
         )
+        devices = model_devices(self._causal_lm(self.model))  # several: a model split by `device_map`
         self._telemetry = PhaseTelemetry(
-            self.accelerator.device, enabled=args.log_phase_metrics, synchronize=args.sync_phase_metrics
+            devices if len(devices) > 1 else self.accelerator.device,  # every GPU of them is measured
+            enabled=args.log_phase_metrics,
+            synchronize=args.sync_phase_metrics,
         )
         self._kept: _KeptState | None = None
         self._first_turn: dict[tuple[int, ...], PromptRows] | None = None  # a generation's prompts, for its tool turns
@@ -405,9 +428,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             if logps is None:
                 logps = group_logps.new_zeros(completion_ids.shape)
                 entropies = group_logps.new_zeros(completion_ids.shape)
-            logps[rows.to(logps.device)] = group_logps
+            logps[rows.to(logps.device)] = group_logps.to(logps.device)
             if group_entropies is not None:  # None: every member of the group is empty (e.g. all truncated)
-                entropies[rows.to(entropies.device)] = group_entropies.to(entropies.dtype)
+                entropies[rows.to(entropies.device)] = group_entropies.to(entropies)
             if not reference:
                 self._kept = _KeptState(group, state)
             del state

@@ -47,17 +47,25 @@ def dequantize_pages(
 
 
 class Placement:
-    """The device of one prompt state, and the running finiteness flag of everything written to it."""
+    """The device of one prompt state, and the running finiteness flag of everything written to it.
 
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
+    `device=None`: each entry where it was computed, so a model split over devices (`device_map`) keeps each layer's
+    state on that layer's device."""
+
+    def __init__(self, device: torch.device | None):
+        self.device = None if device is None else torch.device(device)
         self._finite: torch.Tensor | None = None
+
+    def where(self, source: torch.device) -> torch.device:
+        """The device of entries computed on `source`."""
+        return source if self.device is None else self.device
 
     def allocate(self, dtype: torch.dtype, shape: tuple[int, ...], source: torch.device) -> torch.Tensor:
         """Room for `shape` entries of `dtype` written from `source`: pinned host memory when they come from (and go
         back to) a GPU, so that staging them is an asynchronous copy."""
-        pin = self.device.type == "cpu" and source.type == "cuda"
-        return torch.empty(shape, dtype=dtype, device=self.device, pin_memory=pin)
+        device = self.where(source)
+        pin = device.type == "cpu" and source.type == "cuda"
+        return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
 
     def store(self, tensor: torch.Tensor) -> torch.Tensor:
         """A detached copy of `tensor` on the state's device (a snapshot no later write can alias)."""
@@ -72,7 +80,7 @@ class Placement:
 
     def check(self, written: torch.Tensor) -> None:
         finite = torch.isfinite(written).all()
-        self._finite = finite if self._finite is None else self._finite & finite
+        self._finite = finite if self._finite is None else self._finite & finite.to(self._finite.device)
 
     def all_finite(self) -> bool:
         return self._finite is None or bool(self._finite)
@@ -101,7 +109,7 @@ class Pages:
         """Write `values [heads, tokens, dim]` after the current entries; returns how many old entries were dropped."""
         self.placement.check(values)
         source = values.device
-        values = values.detach().to(self.placement.device)
+        values = values.detach().to(self.placement.where(source))
         if self.fp8:
             self._append_fp8(values, source)
             return 0

@@ -43,7 +43,7 @@ class ConvRecurrentState(LayerState):
         index = access.chunk_index - 1 if access.mode == "recompute" else len(states) - 1
         if index < 0:
             return None
-        return self.prompt.placement.stage(states[index], access.query_positions.device)
+        return self.prompt.placement.stage(states[index], self.device)
 
     def conv_state(self, access) -> torch.Tensor | None:
         return self._before(self.conv, access, slot=0)

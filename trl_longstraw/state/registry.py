@@ -91,6 +91,8 @@ class LayerState:
         self.layer_idx = layer_idx
         self.layer_type = layer_type
         self.prompt = prompt
+        # Where this layer computes: its own device when `device_map` splits the model over several
+        self.device = next(mixer.parameters()).device
 
     def tensors(self) -> list[torch.Tensor]:
         raise NotImplementedError
