@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, BitsAndBytesConfig
 
 from trl_longstraw.accounting import (
+    StateAccount,
     UpdateSetup,
     lora_account,
     nf4_weight_bytes,
@@ -24,6 +25,7 @@ from trl_longstraw.accounting import (
 from trl_longstraw.architectures import UnsupportedModelError
 from trl_longstraw.embedded import FAMILIES, build_model, tiny_config
 from trl_longstraw.engine import LongStrawEngine
+from trl_longstraw.state.registry import LayerAccount
 
 from .test_engine import case, prepared
 
@@ -228,3 +230,12 @@ def test_host_resident_state_leaves_the_device():
     assert host.state["mla_latent"] == prompt_state_account(architecture("glm5")).by_layer_type["mla_latent"].bytes(
         65_535
     )
+
+
+def test_layers_of_one_kind_with_two_geometries_are_counted_apart():
+    """Two full-attention geometries (e.g. a model whose global layers have more kv heads): both kept, both counted."""
+    account = StateAccount()
+    for per_token in (64, 64, 256):
+        account.add(LayerAccount("full_attention", per_token=per_token))
+    assert sorted(part.layers for part in account.by_layer_type.values()) == [1, 2]
+    assert account.bytes(10) == 10 * (64 + 64 + 256) and account.bytes_per_token() == 384

@@ -140,6 +140,18 @@ def test_context_parallel_size_is_taken_from_accelerate_and_a_disagreement_is_re
         config._validate_context_parallel_batches()
 
 
+def test_context_parallel_size_is_taken_from_an_accelerate_config_file(tmp_path, monkeypatch):
+    """An accelerate config file's `parallelism_config` section reaches the process as environment variables: its cp
+    size is adopted, and Accelerate's own CP is turned off there (it would shard the model inputs itself)."""
+    from trl_longstraw import LongStrawGRPOConfig
+
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
+    config = LongStrawGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    assert config.context_parallel_size == 2
+    assert os.environ["PARALLELISM_CONFIG_CP_SIZE"] == "1"
+
+
 def test_groups_need_a_distributed_launch_and_a_world_the_size_divides(tmp_path):
     import torch.distributed as dist
 

@@ -295,6 +295,54 @@ def test_a_parameter_first_reached_later_keeps_a_gradient_from_then_on(
     assert late.grad is not None and not late.grad.any()
 
 
+def count_captures(trainer, monkeypatch) -> list:
+    captures = []
+    capture = trainer.engine.capture
+    monkeypatch.setattr(trainer.engine, "capture", lambda *args: captures.append(args[1]) or capture(*args))
+    return captures
+
+
+def test_the_last_state_scored_is_replayed_first_and_the_last_replayed_is_scored_first(
+    fresh_model, tokenizer, prompt_dataset, tmp_path, monkeypatch
+):
+    """Two groups: scoring captures both and keeps the second, which the replay takes first (no capture), so one
+    update captures three times; the state the replay kept is the next scoring's first: two captures then."""
+    trainer = make_trainer(LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path)
+    captures = count_captures(trainer, monkeypatch)
+    inputs = synthetic_inputs(len(tokenizer))
+    trainer.replay_and_backward(trainer.model, inputs)
+    assert [len(prompt) for prompt in captures] == [11, 7, 11]  # the groups by first row: 11 prompt tokens, then 7
+    trainer.replay_and_backward(trainer.model, inputs)
+    assert [len(prompt) for prompt in captures[3:]] == [7, 11]
+
+
+def test_a_kept_state_is_captured_again_once_the_weights_moved(
+    fresh_model, tokenizer, prompt_dataset, tmp_path, monkeypatch
+):
+    """An optimizer step outside the trainer's loop (no callback clears the kept state): the next update sees the
+    weights moved and captures again instead of reading a stale state."""
+    trainer = make_trainer(LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path)
+    inputs = synthetic_inputs(len(tokenizer))
+    trainer.replay_and_backward(trainer.model, inputs)
+    torch.optim.SGD(trainer.model.parameters(), lr=0.1).step()
+    captures = count_captures(trainer, monkeypatch)
+    trainer.replay_and_backward(trainer.model, inputs)
+    assert len(captures) == 3
+
+
+def test_a_group_with_zero_advantages_still_trains_its_entropy_bonus(fresh_model, tokenizer, prompt_dataset, tmp_path):
+    """Equal rewards and beta = 0 zero the log-probs' gradient, not the entropy bonus's: such a group is replayed."""
+    model = fresh_model()
+    settings = {"beta": 0.0, "entropy_coef": 0.05, "prompt_gradient": "exact"}
+    stock = make_trainer(GRPOTrainer, model, tokenizer, prompt_dataset, tmp_path / "stock", **settings)
+    ours = make_trainer(LongStrawGRPOTrainer, copy.deepcopy(model), tokenizer, prompt_dataset, tmp_path, **settings)
+    inputs = add_old_and_ref_logps(stock, synthetic_inputs(len(tokenizer)))
+    inputs["advantages"][:GROUP_SIZE] = 0
+    stock.compute_loss(stock.model, inputs).backward()
+    ours.replay_and_backward(ours.model, inputs)
+    assert max_relative_error(grads_of(ours.model), grads_of(stock.model)) <= 1e-4
+
+
 def test_all_truncated_group_under_mask_truncated_completions(fresh_model, tokenizer, prompt_dataset, tmp_path):
     model = fresh_model()
     settings = {"mask_truncated_completions": True, "prompt_gradient": "exact"}
@@ -322,6 +370,28 @@ def test_rows_are_grouped_by_prompt_wherever_they_sit(tokenizer):
     assert [group.completion_lengths for group in groups] == [[6, 2], [6, 3], [1, 4]]
 
 
+@pytest.mark.parametrize("max_positions, refused", [(17, False), (16, True)])
+def test_rows_whose_prompt_and_completion_reach_past_the_positions_are_refused(tokenizer, max_positions, refused):
+    from trl_longstraw.trainer import group_rows_by_prompt
+
+    batch = synthetic_inputs(len(tokenizer))  # prompts padded to 11 tokens, completions to 6: positions 0 .. 16
+    group = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"], max_positions)
+    if refused:
+        with pytest.raises(ValueError, match="spans 17 positions, more than the model's max_position_embeddings=16"):
+            group_rows_by_prompt(*group)
+    else:
+        assert len(group_rows_by_prompt(*group)) == 2
+
+
+def test_a_right_padded_prompt_is_refused(tokenizer):
+    from trl_longstraw.trainer import group_rows_by_prompt
+
+    batch = synthetic_inputs(len(tokenizer))
+    right_padded = batch["prompt_mask"].flip(1)
+    with pytest.raises(ValueError, match="prompt_mask must be left-padded"):
+        group_rows_by_prompt(batch["prompt_ids"], right_padded, batch["completion_mask"], None)
+
+
 @pytest.mark.parametrize("per_device_train_batch_size", [2, 4], ids=["smaller-than-the-group", "not-a-multiple"])
 def test_micro_batches_that_split_groups_are_accepted(per_device_train_batch_size, tmp_path):
     args = trainer_args(
@@ -347,18 +417,27 @@ def test_position_check_runs_before_generation(fresh_model, tokenizer, prompt_da
         trainer._generate_and_score_completions(rows)
 
 
+@pytest.mark.parametrize(
+    "settings, spans",
+    [
+        ({"max_completion_length": 39}, None),  # one prompt token + 39 = 40 positions: the model's last is 39
+        ({"max_completion_length": 40}, "max_completion_length=40 spans 41 positions"),
+        ({"max_completion_length": 64}, "max_completion_length=64 spans 65 positions"),
+        ({"max_completion_length": 30, "pad_to_multiple_of": 16}, "max_completion_length=30 spans 48 positions"),
+    ],
+)
 def test_completion_longer_than_the_positions_is_refused_at_construction(
-    fresh_model, tokenizer, prompt_dataset, tmp_path
+    settings, spans, fresh_model, tokenizer, prompt_dataset, tmp_path
 ):
-    with pytest.raises(ValueError, match="max_completion_length=64 spans 65 positions.*max_position_embeddings=40"):
-        make_trainer(
-            LongStrawGRPOTrainer,
-            fresh_model(max_position_embeddings=40),
-            tokenizer,
-            prompt_dataset,
-            tmp_path,
-            max_completion_length=64,
-        )
+    def build():
+        model = fresh_model(max_position_embeddings=40)
+        return make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path, **settings)
+
+    if spans is None:
+        build()
+    else:
+        with pytest.raises(ValueError, match=f"{spans}, more than the model's max_position_embeddings=40"):
+            build()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -217,19 +217,22 @@ def test_generation_settings_a_rollout_cannot_serve_fall_back_or_are_refused(tok
         ({"token_healing": True}, "token_healing=True"),
         ({"cache_implementation": "quantized"}, "cache_implementation='quantized'"),
         ({"guidance_scale": 1.5}, "guidance_scale=1.5"),
+        ({"num_return_sequences": 2}, "num_return_sequences=2"),
+        ({"do_sample": False, "num_beams": 2}, "beam search"),
     ],
 )
 def test_generation_settings_that_change_what_generate_samples_are_not_ignored(setting, message):
     model = build_model("qwen3")
     with pytest.raises(UnsupportedRolloutError, match=message):
-        check_generation_config(model, GenerationConfig(do_sample=True, **setting))
+        check_generation_config(model, GenerationConfig(**{"do_sample": True, **setting}))
 
 
-def test_rollout_and_vllm_are_one_generator_too_many():
+@pytest.mark.parametrize("generator", ["use_vllm", "use_transformers_continuous_batching"])
+def test_rollout_and_another_generator_are_one_generator_too_many(generator):
     from trl_longstraw import LongStrawGRPOConfig
 
-    with pytest.raises(ValueError, match="rollout_from_prompt_state=True with use_vllm=True"):
-        LongStrawGRPOConfig(output_dir="unused", use_vllm=True, rollout_from_prompt_state=True)
+    with pytest.raises(ValueError, match=f"rollout_from_prompt_state=True with {generator}=True"):
+        LongStrawGRPOConfig(output_dir="unused", rollout_from_prompt_state=True, **{generator: True})
 
 
 @pytest.mark.parametrize("setting", ["host_state", "fp8_pages"])

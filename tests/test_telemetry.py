@@ -75,6 +75,44 @@ def test_train_and_eval_accumulate_separately():
     assert eval_metrics["longstraw/capture/count"] == 1 and eval_metrics["longstraw/prompt_state_gib"] == 1.0
 
 
+def test_a_phase_run_twice_in_a_step_sums_its_time_and_keeps_its_largest_peak(monkeypatch):
+    """The replay phase runs once per group: a step's log counts both spans, adds their times, and reports the larger
+    span's peak and addition; the largest state of the step, once (the next flush starts afresh)."""
+    allocated, high_water = [0], [0]
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: allocated[0])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: high_water[0])
+    telemetry = PhaseTelemetry(torch.device("cuda", 0))
+    for start, peak, seconds in ((100, 900, 0.02), (500, 700, 0.03)):
+        allocated[0] = start
+        with telemetry.phase("replay"):
+            allocated[0], high_water[0] = peak, max(high_water[0], peak)
+            time.sleep(seconds)
+        allocated[0] = start
+    telemetry.record_state(2 * 1024**3)
+    telemetry.record_state(1024**3)
+    metrics = telemetry.flush("train")
+    assert metrics["longstraw/replay/count"] == 2 and metrics["longstraw/replay/time_s"] >= 0.05
+    assert metrics["longstraw/replay/cuda_allocated_peak_gib"] * 1024**3 == 900
+    assert metrics["longstraw/replay/cuda_allocated_added_gib"] * 1024**3 == 800
+    assert metrics["longstraw/prompt_state_gib"] == 2.0
+    assert "longstraw/prompt_state_gib" not in telemetry.flush("train")
+
+
+def test_synchronised_phases_on_the_cpu_touch_no_cuda_call():
+    telemetry = PhaseTelemetry(torch.device("cpu"), synchronize=True)
+    with telemetry.phase("score"):
+        pass
+    assert telemetry.flush("train")["longstraw/score/count"] == 1
+
+
+def test_an_unknown_phase_name_is_refused():
+    with (
+        pytest.raises(ValueError, match="unknown phase 'replays'"),
+        PhaseTelemetry(torch.device("cpu")).phase("replays"),
+    ):
+        pass
+
+
 def test_disabled_telemetry_logs_nothing():
     telemetry = PhaseTelemetry(torch.device("cpu"), enabled=False)
     with telemetry.phase("capture"):

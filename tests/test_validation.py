@@ -156,11 +156,26 @@ def test_disable_dropout_false_is_accepted_for_a_model_without_dropout(tmp_path,
     assert trainer.args.disable_dropout is False
 
 
+def test_an_eval_dataset_handed_to_evaluate_is_checked_under_context_parallelism(tmp_path, tokenizer, prompt_dataset):
+    from types import SimpleNamespace
+
+    trainer = make_trainer(LongStrawGRPOTrainer, build_model("qwen3"), tokenizer, prompt_dataset, tmp_path)
+    trainer._context_parallel = SimpleNamespace(size=2)  # the check alone: one process cannot build a CP group
+    with pytest.raises(ValueError, match="context_parallel_size=2 with an iterable eval dataset"):
+        trainer.get_eval_dataloader(prompt_dataset.to_iterable_dataset())
+
+
 def test_layers_offloaded_by_a_device_map_are_refused(tmp_path, tokenizer, prompt_dataset):
     model = build_model("qwen3")
     model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "disk", "lm_head": "cpu"}
     with pytest.raises(ValueError, match=r"offloads \['lm_head', 'model.layers.1'\] to cpu/disk.*max_memory"):
         make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path)
+
+
+@pytest.mark.parametrize("setting", [{"fsdp": "full_shard"}, {"deepspeed": {"zero_optimization": {"stage": 2}}}])
+def test_deepspeed_or_fsdp_in_the_training_arguments_is_refused(tmp_path, setting):
+    with pytest.raises(ValueError, match="not DeepSpeed or FSDP \\(`deepspeed`/`fsdp`\\)"):
+        trainer_args(LongStrawGRPOConfig, tmp_path, **setting)
 
 
 @pytest.mark.parametrize("variable, value", [("ACCELERATE_USE_DEEPSPEED", "true"), ("ACCELERATE_USE_FSDP", "1")])

@@ -19,7 +19,9 @@ neither chunked nor masked: each query gathers the keys its top-k picked, so its
 long the prompt (a mask over the whole prompt would cost the prompt's length). On CUDA the same two calls go to
 PyTorch's memory-efficient kernels (`_scaled_dot_product_efficient_attention` and its backward, which likewise take
 the global output and log-sum-exp), for fp32, fp16 and bf16.
-Everything accumulates in fp32 (or wider) whatever the autocast state: the function disables autocast inside.
+The merge across blocks, the plain-torch tiles and the gathered top-k accumulate in fp32 (or wider) whatever the
+autocast state (the function disables autocast inside); a fused kernel accumulates in fp32 inside and returns its
+chunk's output and gradients in the inputs' dtype, as SDPA does, before they join the fp32 merge.
 """
 
 from __future__ import annotations
