@@ -146,7 +146,8 @@ KNOBS = {
     "sampling-temperature-top-p-top-k": {"temperature": 0.7, "top_p": 0.9, "top_k": 20},
     "pad-to-multiple-of": {"pad_to_multiple_of": 8},
     "lm-head-in-fp32": {"cast_lm_head_to_fp32": True},
-    "adaptive-entropy-bonus": {"use_adaptive_entropy": True, "entropy_coef": 0.05},
+    # the bonus applies while the entropy is at or below its target: above a random tiny model's, so it trains
+    "adaptive-entropy-bonus": {"use_adaptive_entropy": True, "entropy_coef": 0.05, "entropy_target": 20.0},
     "activation-checkpointing": {"gradient_checkpointing": True},
     # the reference model is mixed into from the policy every step: each reference capture must read its new weights
     "reference-model-sync": {

@@ -131,7 +131,8 @@ def test_multiple_iterations_recapture_under_the_new_weights(fresh_model, tokeni
     changed, logs = train(trainer)
     assert changed and len(logs) == 3
     # every step captures under its own weights: the second iteration reuses the generation batch, never a state
-    # captured before the optimizer step (stale states themselves are refused: test_engine's test_stale_state)
+    # captured before the optimizer step (test_drop_in's test_a_kept_state_is_captured_again_once_the_weights_moved;
+    # a stale state itself is refused: test_engine's test_stale_state_is_refused)
     assert all(entry["longstraw/capture/count"] >= 1 for entry in logs)
 
 
