@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
+from trl_longstraw import telemetry as telemetry_module
 from trl_longstraw.telemetry import MemoryMeter, PeakSampler, PhaseTelemetry
 
 from .conftest import length_reward, make_trainer, synthetic_inputs, trainer_args
@@ -111,6 +112,15 @@ def test_an_unknown_phase_name_is_refused():
         PhaseTelemetry(torch.device("cpu")).phase("replays"),
     ):
         pass
+
+
+def test_a_host_without_proc_logs_times_only(monkeypatch):
+    """macOS, Windows: no `/proc/self/statm`, so no memory reading, and the phases still run and are timed."""
+    monkeypatch.setattr(telemetry_module, "read_rss_bytes", lambda: None)
+    telemetry = PhaseTelemetry(torch.device("cpu"))
+    with telemetry.phase("capture"):
+        pass
+    assert set(telemetry.flush("train")) == {"longstraw/capture/time_s", "longstraw/capture/count"}
 
 
 def test_disabled_telemetry_logs_nothing():

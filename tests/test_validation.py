@@ -165,11 +165,26 @@ def test_an_eval_dataset_handed_to_evaluate_is_checked_under_context_parallelism
         trainer.get_eval_dataloader(prompt_dataset.to_iterable_dataset())
 
 
-def test_layers_offloaded_by_a_device_map_are_refused(tmp_path, tokenizer, prompt_dataset):
+@pytest.mark.parametrize(
+    "device_map, offloaded",
+    [
+        ({"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "disk", "lm_head": "cpu"}, None),
+        ({"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "disk", "lm_head": "cpu"}, "model.norm"),
+    ],
+    ids=["beside-a-gpu", "on-the-host"],
+)
+def test_layers_offloaded_by_a_device_map_are_refused(tmp_path, tokenizer, prompt_dataset, device_map, offloaded):
     model = build_model("qwen3")
-    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "disk", "lm_head": "cpu"}
-    with pytest.raises(ValueError, match=r"offloads \['lm_head', 'model.layers.1'\] to cpu/disk.*max_memory"):
+    model.hf_device_map = device_map
+    names = r"\['lm_head', 'model.layers.1'\]" if offloaded is None else rf"\['{offloaded}'\]"
+    with pytest.raises(ValueError, match=rf"offloads {names} to cpu/disk.*max_memory"):
         make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path)
+
+
+def test_a_model_on_the_host_alone_is_not_offloaded(tmp_path, tokenizer, prompt_dataset):
+    model = build_model("qwen3")
+    model.hf_device_map = {"": torch.device("cpu")}
+    make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path)
 
 
 @pytest.mark.parametrize("setting", [{"fsdp": "full_shard"}, {"deepspeed": {"zero_optimization": {"stage": 2}}}])

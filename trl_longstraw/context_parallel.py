@@ -815,9 +815,9 @@ class ShardedPromptState(PromptState):
 
     def receive_recurrent(self, source: int) -> None:
         """Start this shard's recurrent layers from the previous shard's final states (as a capture chunk would)."""
-        for layer in self.recurrent_layers():
-            layer.conv.append(self.geometry.placement.store(self.cp.receive(source)))
-            layer.recurrent.append(self.geometry.placement.store(self.cp.receive(source)))
+        for layer in self.recurrent_layers():  # they arrive where the backend communicates (gloo: the host)
+            layer.conv.append(self.geometry.placement.store(self.cp.receive(source).to(layer.device)))
+            layer.recurrent.append(self.geometry.placement.store(self.cp.receive(source).to(layer.device)))
         self.chunk_offset = 1
 
     def share_final_recurrent(self) -> None:

@@ -125,7 +125,7 @@ class MemoryMeter:
             self.keys = ("rss_peak_gib", "rss_added_gib")
             self.samplers = [shared_sampler("rss", lambda: read_rss_bytes() or 0, interval_s)]
         else:
-            self.keys, self.samplers = (), []
+            self.keys, self.samplers, self.devices = (), [], []
 
     def _high_water(self, device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device) if self.cuda else 0

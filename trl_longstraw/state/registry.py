@@ -91,8 +91,11 @@ class LayerState:
         self.layer_idx = layer_idx
         self.layer_type = layer_type
         self.prompt = prompt
-        # Where this layer computes: its own device when `device_map` splits the model over several
-        self.device = next(mixer.parameters()).device
+
+    @property
+    def device(self) -> torch.device:
+        """Where this layer computes (its mixer's weights): its own device when `device_map` splits the model."""
+        return next(self.mixer.parameters()).device
 
     def tensors(self) -> list[torch.Tensor]:
         raise NotImplementedError
