@@ -140,6 +140,15 @@ def checkpointed_layers_keep_the_state(model: nn.Module) -> Iterator[None]:
             del layer._can_checkpoint_with_cache
 
 
+def on_the_heads_device(model: nn.Module):
+    """The LM head's CUDA device as the current one, for a forward through TRL's fused head: its Triton kernel launches
+    on the current device, not its tensors' (it sets no device guard), and `device_map` may put the head on another
+    GPU than the current one. Kernels elsewhere in the model follow their tensors (PyTorch's ops, fla's guarded ones).
+    """
+    device = model.get_output_embeddings().weight.device
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 @dataclass
 class LongStrawEngine:
     """Capture, score, replay and (exact mode) prompt backward for one causal LM with TRL's fused LM head.
@@ -248,7 +257,7 @@ class LongStrawEngine:
         )
         routed = {} if self.routing is None else {"output_router_logits": True}
         recording = contextlib.nullcontext() if self.routing is None else recorded_router_logits(model.base_model)
-        with checkpointed_layers_keep_the_state(model), recording as router_logits:
+        with checkpointed_layers_keep_the_state(model), recording as router_logits, on_the_heads_device(model):
             outputs = model(
                 input_ids=inputs,
                 position_ids=positions[None],
