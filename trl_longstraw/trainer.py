@@ -143,8 +143,8 @@ def model_devices(model) -> list[torch.device]:
 
 
 def check_device_map(model) -> None:
-    """Refuse layers offloaded by `device_map` ("cpu" or "disk" beside GPUs): their weights are brought in per forward
-    (the captured state could not tell whether they moved), and PEFT cannot train adapters on them."""
+    """Refuse layers offloaded by `device_map` ("disk" anywhere, "cpu" beside GPUs): their weights are brought in per
+    forward (the captured state could not tell whether they moved), and PEFT cannot train adapters on them."""
     device_map = {name: str(where) for name, where in (getattr(model, "hf_device_map", None) or {}).items()}
     on_gpus = any(where not in ("cpu", "disk") for where in device_map.values())
     offloaded = sorted(name for name, where in device_map.items() if where == "disk" or (where == "cpu" and on_gpus))
