@@ -299,7 +299,8 @@ class LongStrawGRPOConfig(GRPOConfig):
             raise ValueError(
                 "LongStrawGRPOTrainer supports data parallelism through DDP (plain `accelerate launch`), not "
                 f"DeepSpeed or FSDP ({where}): the serial replay runs on the unsharded model. Launch without them; to "
-                "fit a large model use QLoRA (`load_in_4bit`) and `prompt_state_device='cpu'`."
+                "fit a large model use QLoRA (`load_in_4bit`), `prompt_state_device='cpu'`, or one process whose model "
+                "`device_map` splits over the machine's GPUs."
             )
         if self.neftune_noise_alpha is not None:
             raise ValueError(

@@ -9,7 +9,7 @@ is refused naming the layer. Registration order below is the order kinds are tri
 | `attention` | `attention.py` | full / sliding / chunked attention | K/V pages (a window or chunk keeps only what it reads) |
 | `mla_latent` | `mla.py` | MLA attention | latent + rope key per token |
 | `dsa_indexer` | `dsa.py` | MLA layers computing a DSA top-k | indexer key per token |
-| `gated_deltanet` | `linear_attention.py` | `linear_attention` | conv + fp32 recurrent state |
+| `gated_deltanet` | `linear_attention.py` | `linear_attention`, `hybrid` | conv + fp32 recurrent state |
 | `mamba2` | `mamba.py` | `linear_attention`, `hybrid`, Mamba2 layers without layer types | conv + fp32 SSM state |
 | `feed_forward` | `feed_forward.py` | `mlp`, `moe` (FFN-only layers) | nothing |
 """
