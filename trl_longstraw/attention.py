@@ -122,10 +122,25 @@ CAUSAL = Visibility()
 
 
 def visible_keys(q_positions: torch.Tensor, k_positions: torch.Tensor, visibility: Visibility) -> torch.Tensor | None:
-    """Boolean `[rows, keys]` visibility (causal by absolute position, windowed or chunked), or None if all visible."""
-    if not visibility.windowed() and int(k_positions[-1]) <= int(q_positions.min()):
+    """Boolean `[rows, keys]` visibility (causal by absolute position, windowed or chunked), or None if all visible:
+    every key precedes every query and, with a window or chunks, lies inside every query's (ascending key positions).
+    """
+    if int(k_positions[-1]) <= int(q_positions.min()) and window_keeps_all(
+        visibility, int(k_positions[0]), int(q_positions.max())
+    ):
         return None
     return visible_pairs(q_positions[:, None], k_positions[None, :], visibility)
+
+
+def window_keeps_all(visibility: Visibility, first_key: int, last_query: int) -> bool:
+    """Whether a sliding window or chunking (if any) drops none of the causal pairs between keys from position
+    `first_key` on and queries up to position `last_query`."""
+    if visibility.sliding_window is not None and last_query - first_key >= visibility.sliding_window:
+        return False
+    if visibility.chunk_size is not None:
+        origin, size = visibility.chunk_origin, visibility.chunk_size
+        return (first_key - origin) // size == (last_query - origin) // size
+    return True
 
 
 def visible_pairs(q_positions: torch.Tensor, k_positions: torch.Tensor, visibility: Visibility) -> torch.Tensor:
@@ -209,9 +224,9 @@ def _fusable(chunk: _Chunk, q: torch.Tensor, softcap) -> str | None:
         return "all"
     tokens, rows = chunk.key_positions.numel(), chunk.row_positions.numel()
     if (
-        not chunk.visibility.windowed()
-        and rows % tokens == 0
+        rows % tokens == 0
         and torch.equal(chunk.row_positions.view(-1, tokens), chunk.key_positions.expand(rows // tokens, tokens))
+        and window_keeps_all(chunk.visibility, int(chunk.key_positions[0]), int(chunk.key_positions[-1]))
     ):
         return "causal"
     return None
