@@ -123,12 +123,9 @@ WIDE = {
 }
 
 
-@pytest.mark.parametrize("visibility", list(WIDE))
-@pytest.mark.parametrize("chunk", [64, 3])
-def test_fused_path_is_taken_for_float32_on_cpu(monkeypatch, chunk, visibility):
-    """Prompt chunks all visible go through the fused kernel, and so do the own keys as one square causal block, even
-    when they outnumber the attention chunk (cut there, their causal pieces would not be square); a window or chunking
-    that drops none of a block's pairs does not change that."""
+@pytest.fixture
+def fused_backward_calls(monkeypatch) -> list[bool]:
+    """The `causal` flag of every call of the fused backward kernel, in order."""
     calls = []
     kernel = attention._fused_backward_kernel
 
@@ -137,25 +134,28 @@ def test_fused_path_is_taken_for_float32_on_cpu(monkeypatch, chunk, visibility):
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(attention, "_fused_backward_kernel", counting)
+    return calls
+
+
+@pytest.mark.parametrize("visibility", list(WIDE))
+@pytest.mark.parametrize("chunk", [64, 3])
+def test_fused_path_is_taken_for_float32_on_cpu(fused_backward_calls, chunk, visibility):
+    """Prompt chunks all visible go through the fused kernel, and so do the own keys as one square causal block, even
+    when they outnumber the attention chunk (cut there, their causal pieces would not be square); a window or chunking
+    that drops none of a block's pairs does not change that."""
     q, prefix_k, prefix_v, own_k, own_v, _ = inputs(torch.float32)
     ours(q, prefix_k, prefix_v, own_k, own_v, None, WIDE[visibility], chunk).sum().backward()
-    assert sorted(calls) == [False] * -(-PREFIX // chunk) + [True]  # the prompt's chunks, then the own block whole
+    assert sorted(fused_backward_calls) == [False] * -(-PREFIX // chunk) + [
+        True
+    ]  # the prompt's chunks, then the own block whole
 
 
-def test_a_window_edge_takes_plain_tiles_and_the_chunks_inside_it_the_fused_kernel(monkeypatch):
+def test_a_window_edge_takes_plain_tiles_and_the_chunks_inside_it_the_fused_kernel(fused_backward_calls):
     """Window 11, queries at 9..13, prompt keys 0..8 in chunks of 3: keys 0-2 are beyond query 13's window (plain
     tiles), keys 3-5 and 6-8 inside every query's (fused); the own block's pairs are all within 11 (fused, causal)."""
-    calls = []
-    kernel = attention._fused_backward_kernel
-
-    def counting(*args, **kwargs):
-        calls.append(args[6])
-        return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(attention, "_fused_backward_kernel", counting)
     fused = inputs(torch.float32)
     ours(*fused[:5], None, Visibility(sliding_window=11), 3).sum().backward()
-    assert sorted(calls) == [False, False, True]
+    assert sorted(fused_backward_calls) == [False, False, True]
     plain = inputs(torch.float64)
     got = ours(*fused[:5], None, Visibility(sliding_window=11), 3)
     want = reference(*plain[:5], None, Visibility(sliding_window=11))

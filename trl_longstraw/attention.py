@@ -126,15 +126,19 @@ def visible_keys(q_positions: torch.Tensor, k_positions: torch.Tensor, visibilit
     every key precedes every query and, with a window or chunks, lies inside every query's (ascending key positions).
     """
     if int(k_positions[-1]) <= int(q_positions.min()) and window_keeps_all(
-        visibility, int(k_positions[0]), int(q_positions.max())
+        visibility, k_positions[0], q_positions.max()
     ):
         return None
     return visible_pairs(q_positions[:, None], k_positions[None, :], visibility)
 
 
-def window_keeps_all(visibility: Visibility, first_key: int, last_query: int) -> bool:
+def window_keeps_all(visibility: Visibility, first_key: torch.Tensor, last_query: torch.Tensor) -> bool:
     """Whether a sliding window or chunking (if any) drops none of the causal pairs between keys from position
-    `first_key` on and queries up to position `last_query`."""
+    `first_key` on and queries up to position `last_query` (0-d tensors, read only for a windowed or chunked layer:
+    on CUDA each read is a host sync)."""
+    if not visibility.windowed():
+        return True
+    first_key, last_query = int(first_key), int(last_query)
     if visibility.sliding_window is not None and last_query - first_key >= visibility.sliding_window:
         return False
     if visibility.chunk_size is not None:
@@ -226,7 +230,7 @@ def _fusable(chunk: _Chunk, q: torch.Tensor, softcap) -> str | None:
     if (
         rows % tokens == 0
         and torch.equal(chunk.row_positions.view(-1, tokens), chunk.key_positions.expand(rows // tokens, tokens))
-        and window_keeps_all(chunk.visibility, int(chunk.key_positions[0]), int(chunk.key_positions[-1]))
+        and window_keeps_all(chunk.visibility, chunk.key_positions[0], chunk.key_positions[-1])
     ):
         return "causal"
     return None

@@ -146,8 +146,9 @@ class MemoryMeter:
             self.samplers, self.devices, self._started, strict=True
         ):
             peak = sampler.stop()
-            if self._high_water(device) > high_water_at_start:  # this span set the high-water mark: exact
-                peak = self._high_water(device)
+            high_water = self._high_water(device)
+            if high_water > high_water_at_start:  # this span set the high-water mark: exact
+                peak = high_water
             measured.append((peak, max(peak - at_start, 0)))
         return max(measured)
 

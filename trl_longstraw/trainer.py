@@ -270,9 +270,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             routing=routing,
             context_parallel=self._context_parallel,
         )
-        devices = model_devices(self._causal_lm(self.model))  # several: a model split by `device_map`
         self._telemetry = PhaseTelemetry(
-            devices if len(devices) > 1 else self.accelerator.device,  # every GPU of them is measured
+            model_devices(self._causal_lm(self.model)),  # every GPU the weights occupy (several under `device_map`)
             enabled=args.log_phase_metrics,
             synchronize=args.sync_phase_metrics,
         )
