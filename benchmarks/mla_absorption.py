@@ -25,8 +25,8 @@ HEADS, RANK, ROPE, NOPE, VDIM, CHUNK = 16, 512, 64, 128, 128, 2048
 
 
 def absorbed(q_nope, q_rope, pages, kv_b, positions, page_positions):
-    """The library's path: absorbed queries over the latent pages as one shared key block (MLA's value head is narrower
-    than its key head, so these chunks run as plain-torch tiles, like the re-projected chunks below)."""
+    """The library's path: absorbed queries over the latent pages as one shared key block (through PyTorch's fused
+    kernels, the values zero-padded to the keys' width; the re-projected chunks below run in plain torch)."""
     w = kv_b.weight.t().view(RANK, HEADS, NOPE + VDIM)
     w_uk, w_uv = w[..., :NOPE], w[..., NOPE:]
     q = torch.cat([torch.einsum("bhtn,khn->bhtk", q_nope, w_uk), q_rope], dim=-1)

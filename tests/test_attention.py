@@ -186,12 +186,21 @@ def test_the_cuda_backward_gets_its_operands_laid_out_as_its_forward_returns_the
     assert torch.equal(padded[..., :5], lse) and torch.all(padded[..., 5:] == 0)
 
 
-def test_value_head_narrower_than_the_key_head():
-    """MLA reads latent pages as keys and their first `rank` columns as values."""
+def test_values_narrower_than_the_keys_go_through_the_fused_kernels(fused_backward_calls):
+    """MLA reads latent pages as keys and their first `rank` columns as values: zero-padded to the keys' width, they
+    take the fused kernels (three prompt chunks, the own causal block), and the output and every gradient equal the
+    plain-torch path's (float64) and the reference's."""
     fused, plain = inputs(torch.float32, value_dim=5), inputs(torch.float64, value_dim=5)
-    got = ours(*fused[:5], None, CAUSAL, 4)
-    want = reference(*plain[:5], None, CAUSAL)
-    assert torch.allclose(got.double(), want, atol=1e-5)
+    grad_out = torch.randn(BATCH, HEADS, TOKENS, 5, dtype=torch.float64)
+    results = []
+    for tensors in (fused, plain):
+        out = ours(*tensors[:5], None, CAUSAL, 4)
+        out.backward(grad_out.to(out.dtype))
+        results.append([out.double()] + [t.grad.double() for t in tensors[:5]])
+    assert sorted(fused_backward_calls) == [False, False, False, True]
+    assert torch.allclose(results[0][0], reference(*plain[:5], None, CAUSAL), atol=1e-5)
+    for got, want in zip(*results, strict=True):
+        assert got.shape == want.shape and torch.allclose(got, want, atol=2e-5, rtol=1e-4), (got - want).abs().max()
 
 
 def top_k(k: int, seed: int = 1) -> torch.Tensor:

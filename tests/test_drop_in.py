@@ -60,7 +60,17 @@ def saved_model(tmp_path_factory):
     return path
 
 
-def train_run(trainer_class, saved_model, tokenizer, dataset, tmp_path, peft_config=None, trainer_kwargs=None, **args):
+def train_run(
+    trainer_class,
+    saved_model,
+    tokenizer,
+    dataset,
+    tmp_path,
+    peft_config=None,
+    trainer_kwargs=None,
+    resume_from_checkpoint=None,
+    **args,
+):
     """Train from the saved weights; returns (per-step train logs, eval logs, completions, final weights, trainer).
     `trainer_kwargs` go to the trainer (e.g. `tools`), `args` to its config."""
     from transformers import AutoModelForCausalLM
@@ -83,7 +93,7 @@ def train_run(trainer_class, saved_model, tokenizer, dataset, tmp_path, peft_con
         peft_config=peft_config,
         **(trainer_kwargs or {}),
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     history = trainer.state.log_history
     train_logs = [entry for entry in history if "loss" in entry]
     eval_logs = [entry for entry in history if "eval_loss" in entry]
@@ -248,6 +258,39 @@ def test_bf16_autocast_is_as_close_to_stock_as_stock_bf16(saved_model, tokenizer
     stock_error = abs(stock_bf16[0][0]["grad_norm"] - stock_fp32[0][0]["grad_norm"])
     our_error = abs(ours_bf16[0][0]["grad_norm"] - stock_fp32[0][0]["grad_norm"])
     assert our_error <= 2 * stock_error + 1e-3 * stock_fp32[0][0]["grad_norm"], (our_error, stock_error)
+
+
+@pytest.mark.slow
+def test_resuming_from_a_checkpoint_trains_like_stock(saved_model, tokenizer, prompt_dataset, tmp_path):
+    """`train(resume_from_checkpoint=...)` from a LongStraw checkpoint: the steps after it are stock's uninterrupted
+    run (weights, optimizer, scheduler and random states come back; no prompt state is saved, none is needed)."""
+    args = {
+        "max_steps": 4,
+        "save_strategy": "steps",
+        "save_steps": 2,
+        "per_device_train_batch_size": 3,
+        "gradient_accumulation_steps": 2,
+    }
+    stock = train_run(GRPOTrainer, saved_model, tokenizer, prompt_dataset, tmp_path / "stock", **args)
+    train_run(LongStrawGRPOTrainer, saved_model, tokenizer, prompt_dataset, tmp_path / "first", **args)
+    checkpoint = tmp_path / "first" / LongStrawGRPOTrainer.__name__ / "checkpoint-2"
+    logs, _, completions, weights, _ = train_run(
+        LongStrawGRPOTrainer,
+        saved_model,
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        resume_from_checkpoint=checkpoint,
+        **args,
+    )
+    stock_logs, _, stock_completions, stock_weights, _ = stock
+    resumed_steps = len(stock_logs) - 2
+    assert resumed_steps > 0 and completions == stock_completions[-len(completions) :]
+    assert [log["step"] for log in logs] == [log["step"] for log in stock_logs]
+    for got, want in zip(logs[2:], stock_logs[2:], strict=True):
+        for key in ("loss", "grad_norm", "reward"):
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)
+    assert max_relative_error(weights, stock_weights) <= 1e-3
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -227,7 +227,10 @@ def test_generation_settings_that_change_what_generate_samples_are_not_ignored(s
         check_generation_config(model, GenerationConfig(**{"do_sample": True, **setting}))
 
 
-@pytest.mark.parametrize("generator", ["use_vllm", "use_transformers_continuous_batching"])
+@pytest.mark.parametrize(
+    "generator",
+    ["use_vllm", "use_transformers_continuous_batching", "use_transformers_paged"],  # the last: an alias
+)
 def test_rollout_and_another_generator_are_one_generator_too_many(generator):
     from trl_longstraw import LongStrawGRPOConfig
 

@@ -34,6 +34,14 @@ def test_config_rejects_bad_fields(field, value, message, tmp_path):
         trainer_args(LongStrawGRPOConfig, tmp_path, **{field: value})
 
 
+@pytest.mark.parametrize("optim", ["galore_adamw_layerwise", "apollo_adamw_layerwise", "lomo", "adalomo"])
+def test_optimizers_that_step_inside_the_backward_are_refused(optim, tmp_path):
+    """They move the weights as each gradient arrives: between the members one step replays (measured before the
+    refusal: a StaleStateError mid-update with the layerwise GaLore, weights off by 3% of stock's update with LOMO)."""
+    with pytest.raises(ValueError, match=f"optim='{optim}' is not supported: it updates the weights inside the"):
+        trainer_args(LongStrawGRPOConfig, tmp_path, optim=optim, optim_target_modules=["q_proj"])
+
+
 def test_fp8_prompt_state_with_the_exact_gradient_is_refused(tmp_path):
     with pytest.raises(ValueError, match="prompt_state_dtype='float8_e4m3fn' with prompt_gradient='exact'"):
         trainer_args(LongStrawGRPOConfig, tmp_path, prompt_state_dtype="float8_e4m3fn", prompt_gradient="exact")

@@ -13,8 +13,9 @@ prefix]` score matrix: it revisits the blocks and gets each block's dK, dV and s
 and log-sum-exp (the ring-attention identity: `dS = P * (dO V^T - rowsum(dO * O))` with `P = exp(S - lse)` needs
 nothing but the block, `O` and `lse`), so the fused backward kernels apply to prefix blocks exactly as to a whole
 attention. One algorithm, two kernels per block: PyTorch's fused CPU flash kernels where no per-row mask is needed
-(keys all visible, or a square causal block), plain torch tiles where one is (a window or chunk edge, logit
-soft-capping, MLA's value head narrower than its key head). A block read through a DSA top-k (`KeyBlock.picked`) is
+(keys all visible, or a square causal block; MLA's values, narrower than its keys, zero-padded to their width),
+plain torch tiles where one is (a window or chunk edge, logit soft-capping). A block read through a DSA top-k
+(`KeyBlock.picked`) is
 neither chunked nor masked: each query gathers the keys its top-k picked, so its cost is `k` keys per query however
 long the prompt (a mask over the whole prompt would cost the prompt's length). On CUDA the same two calls go to
 PyTorch's memory-efficient kernels (`_scaled_dot_product_efficient_attention` and its backward, which likewise take
@@ -216,14 +217,15 @@ class _Chunk:
 def _fusable(chunk: _Chunk, q: torch.Tensor, softcap) -> str | None:
     """Whether PyTorch's fused kernels can do this chunk: "all" (every key visible to every row), "causal" (the rows
     are groups of the key tokens themselves: a square causal mask per group), or None. CPU: the flash kernel, fp32
-    and bf16; CUDA: the memory-efficient kernel, fp32, fp16 and bf16, head widths a multiple of 8 (its alignment)."""
+    and bf16; CUDA: the memory-efficient kernel, fp32, fp16 and bf16, head widths a multiple of 8 (its alignment).
+    Values narrower than the keys (MLA's latents beside its latents + rope keys) go in zero-padded."""
     if q.device.type == "cpu":
         if q.dtype not in (torch.float32, torch.bfloat16):
             return None
     elif q.device.type != "cuda" or q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or q.shape[-1] % 8:
         return None
-    if softcap is not None or chunk.values.shape[-1] != q.shape[-1]:
-        return None  # soft-capping; MLA's value head differs from its key head
+    if softcap is not None or chunk.values.shape[-1] > q.shape[-1]:
+        return None  # soft-capping; a value head wider than the key head (no supported model has one)
     if visible_keys(chunk.row_positions, chunk.key_positions, chunk.visibility) is None:
         return "all"
     tokens, rows = chunk.key_positions.numel(), chunk.row_positions.numel()
@@ -236,15 +238,21 @@ def _fusable(chunk: _Chunk, q: torch.Tensor, softcap) -> str | None:
     return None
 
 
+def _to_key_width(x: torch.Tensor, width: int) -> torch.Tensor:
+    """`x` zero-padded on its last dimension to the key head `width`. The fused kernels take one head width for
+    keys and values; zero value columns give zero output columns (and zero gradients), dropped after the call."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
 def _fused_operands(kind: str, q, chunk: _Chunk):
     groups, rows, dim = q.shape
+    values = _to_key_width(chunk.values.to(q.dtype), dim)
     if kind == "all":
-        return q[:, None], chunk.keys[:, None].to(q.dtype), chunk.values[:, None].to(q.dtype), False
+        return q[:, None], chunk.keys[:, None].to(q.dtype), values[:, None], False
     tokens = chunk.key_positions.numel()
     per = rows // tokens
     keys = chunk.keys[:, None].to(q.dtype).expand(groups, per, tokens, dim)
-    values = chunk.values[:, None].to(q.dtype).expand(groups, per, tokens, chunk.values.shape[-1])
-    return q.view(groups, per, tokens, dim), keys, values, True
+    return q.view(groups, per, tokens, dim), keys, values[:, None].expand(groups, per, tokens, dim), True
 
 
 def _chunk_forward(q, chunk: _Chunk, scaling, softcap) -> tuple[torch.Tensor, torch.Tensor]:
@@ -258,7 +266,8 @@ def _chunk_forward(q, chunk: _Chunk, scaling, softcap) -> tuple[torch.Tensor, to
     if kind is not None:
         query, key, value, causal = _fused_operands(kind, q, chunk)
         out, lse = _fused_forward_kernel(query, key, value, causal, scaling)
-        return out.reshape(q.shape[0], q.shape[1], -1).to(acc), lse.reshape(q.shape[0], q.shape[1]).to(acc)
+        out = out.reshape(q.shape[0], q.shape[1], -1)[..., : chunk.values.shape[-1]]
+        return out.to(acc), lse.reshape(q.shape[0], q.shape[1]).to(acc)
     scores = torch.matmul(q.to(acc), chunk.keys.to(acc).transpose(1, 2)).mul_(scaling)
     if softcap is not None:  # Gemma 2: softcap * tanh(scores / softcap)
         scores.div_(softcap).tanh_().mul_(softcap)
@@ -279,13 +288,13 @@ def _chunk_backward(d_out, q, o, lse, d_row, chunk: _Chunk, scaling, softcap, ne
     kind = _fusable(chunk, q, softcap)
     if kind is not None:
         query, key, value, causal = _fused_operands(kind, q, chunk)
-        shape = query.shape[:-1]
+        shape, width = query.shape[:-1], q.shape[-1]
         dq, dk, dv = _fused_backward_kernel(
-            d_out.to(q.dtype).reshape(*shape, -1),
+            _to_key_width(d_out.to(q.dtype), width).reshape(*shape, -1),
             query,
             key,
             value,
-            o.to(q.dtype).reshape(*shape, -1),
+            _to_key_width(o.to(q.dtype), width).reshape(*shape, -1),
             lse.to(torch.float32).reshape(shape),
             causal,
             scaling,
@@ -294,7 +303,7 @@ def _chunk_backward(d_out, q, o, lse, d_row, chunk: _Chunk, scaling, softcap, ne
             dk, dv = dk.sum(1), dv.sum(1)
         else:
             dk, dv = dk[:, 0], dv[:, 0]
-        return dq.reshape(q.shape).to(acc), dk.to(acc), dv.to(acc)
+        return dq.reshape(q.shape).to(acc), dk.to(acc), dv[..., : chunk.values.shape[-1]].to(acc)
     keys, values = chunk.keys.to(acc), chunk.values.to(acc)
     qf, d_out = q.to(acc), d_out.to(acc)
     safe_lse = _finite(lse)

@@ -11,6 +11,15 @@ from trl import GRPOConfig
 
 PROMPT_GRADIENT_MODES = ("detach", "exact")
 PROMPT_STATE_DTYPES = ("auto", "float8_e4m3fn")
+# transformers' optimizers that update each parameter from a hook as its gradient is accumulated
+OPTIMIZERS_THAT_STEP_INSIDE_BACKWARD = (
+    "galore_adamw_layerwise",
+    "galore_adamw_8bit_layerwise",
+    "galore_adafactor_layerwise",
+    "apollo_adamw_layerwise",
+    "lomo",
+    "adalomo",
+)
 
 
 def env_flag(name: str) -> bool:
@@ -277,8 +286,9 @@ class LongStrawGRPOConfig(GRPOConfig):
                 "gradient accumulates on the state's tensors and recomputes them in full precision, which fp8 pages "
                 "cannot hold. Use prompt_state_dtype='auto' with 'exact', or prompt_gradient='detach' with fp8."
             )
-        if self.rollout_from_prompt_state and (self.use_vllm or self.use_transformers_continuous_batching):
-            engine = "use_vllm" if self.use_vllm else "use_transformers_continuous_batching"
+        other_generators = ("use_vllm", "use_transformers_continuous_batching", "use_transformers_paged")
+        engine = next((name for name in other_generators if getattr(self, name)), None)
+        if self.rollout_from_prompt_state and engine is not None:
             raise ValueError(
                 f"rollout_from_prompt_state=True with {engine}=True: completions come from one generator. Set "
                 f"rollout_from_prompt_state=None (the default: {engine} generates, the capture serves scoring and the "
@@ -307,6 +317,15 @@ class LongStrawGRPOConfig(GRPOConfig):
                 f"neftune_noise_alpha={self.neftune_noise_alpha}: NEFTune adds fresh noise to the input embeddings in "
                 "every training-mode forward, and LongStraw's replay must reproduce its scoring pass exactly (stock's "
                 "loss and backward share one forward). Set neftune_noise_alpha=None."
+            )
+        optimizer = str(getattr(self.optim, "value", self.optim))
+        if optimizer in OPTIMIZERS_THAT_STEP_INSIDE_BACKWARD:
+            raise ValueError(
+                f"optim={optimizer!r} is not supported: it updates the weights inside the backward pass, as each "
+                "gradient arrives. LongStraw back-propagates once per replayed member, against a prompt state captured "
+                "from the weights before the step, so the weights would move between the members of one step "
+                "(stock runs one backward per micro-batch). Use an optimizer that steps after the backward: the default "
+                "'adamw_torch_fused', or a GaLore/APOLLO optimizer without '_layerwise'."
             )
         if self.use_liger_kernel:
             raise ValueError(
