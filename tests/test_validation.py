@@ -197,15 +197,35 @@ def test_a_model_on_the_host_alone_is_not_offloaded(tmp_path, tokenizer, prompt_
 
 @pytest.mark.parametrize("setting", [{"fsdp": "full_shard"}, {"deepspeed": {"zero_optimization": {"stage": 2}}}])
 def test_deepspeed_or_fsdp_in_the_training_arguments_is_refused(tmp_path, setting):
-    with pytest.raises(ValueError, match="not DeepSpeed or FSDP \\(`deepspeed`/`fsdp`\\)"):
+    with pytest.raises(ValueError, match="not DeepSpeed, FSDP or tensor parallelism \\(`deepspeed`/`fsdp`\\)"):
         trainer_args(LongStrawGRPOConfig, tmp_path, **setting)
 
 
 @pytest.mark.parametrize("variable, value", [("ACCELERATE_USE_DEEPSPEED", "true"), ("ACCELERATE_USE_FSDP", "1")])
 def test_deepspeed_or_fsdp_from_an_accelerate_config_is_refused(tmp_path, monkeypatch, variable, value):
     monkeypatch.setenv(variable, value)  # transformers reads these with strtobool
-    with pytest.raises(ValueError, match=f"not DeepSpeed or FSDP \\({variable} set by an accelerate config\\)"):
+    with pytest.raises(
+        ValueError, match=f"not DeepSpeed, FSDP or tensor parallelism \\({variable} set by an accelerate config\\)"
+    ):
         trainer_args(LongStrawGRPOConfig, tmp_path)
+
+
+@pytest.mark.parametrize("size", ["dp_shard_size", "tp_size"])
+def test_weights_sharded_by_accelerates_parallelism_config_are_refused(tmp_path, monkeypatch, size):
+    """FSDP2 (`dp_shard_size`) and tensor parallelism (`tp_size`), given in the training arguments or, as
+    `PARALLELISM_CONFIG_*` variables, by an accelerate config file; replicas alone (`dp_replicate_size`) are DDP."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    match = f"tensor parallelism \\(Accelerate's parallelism_config {size}=2\\)"
+    with pytest.raises(ValueError, match=match):
+        trainer_args(LongStrawGRPOConfig, tmp_path, parallelism_config=ParallelismConfig(**{size: 2}))
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv(f"PARALLELISM_CONFIG_{size.upper()}", "2")
+    with pytest.raises(ValueError, match=match):
+        trainer_args(LongStrawGRPOConfig, tmp_path)
+    monkeypatch.delenv(f"PARALLELISM_CONFIG_{size.upper()}")
+    monkeypatch.setenv("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2")
+    trainer_args(LongStrawGRPOConfig, tmp_path)
 
 
 def test_attention_that_bypasses_the_attention_interface_is_refused():

@@ -39,6 +39,21 @@ def accelerate_context_parallel_size(parallelism_config) -> int | None:
     return None
 
 
+def accelerate_weight_sharding(parallelism_config) -> list[str]:
+    """The weight-sharding sizes above 1 a user gave Accelerate, as `name=size` (`dp_shard_size`: FSDP2, `tp_size`:
+    tensor parallelism), from `parallelism_config` or an accelerate config file's `PARALLELISM_CONFIG_*` variables."""
+    if parallelism_config is not None:
+        sizes = {name: getattr(parallelism_config, name) or 1 for name in ("dp_shard_size", "tp_size")}
+    elif env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        sizes = {
+            name: int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}", "1"))
+            for name in ("dp_shard_size", "tp_size")
+        }
+    else:
+        return []
+    return [f"{name}={size}" for name, size in sizes.items() if size > 1]
+
+
 @dataclass
 class LongStrawGRPOConfig(GRPOConfig):
     r"""
@@ -302,13 +317,18 @@ class LongStrawGRPOConfig(GRPOConfig):
                 "rows) or context_parallel_size=1."
             )
         launched_with = [name for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP") if env_flag(name)]
-        if self.deepspeed or self.fsdp or launched_with:
-            where = (
-                f"{' and '.join(launched_with)} set by an accelerate config" if launched_with else "`deepspeed`/`fsdp`"
-            )
+        sharded_by = accelerate_weight_sharding(self.parallelism_config)
+        if self.deepspeed or self.fsdp or launched_with or sharded_by:
+            if sharded_by:
+                where = f"Accelerate's parallelism_config {', '.join(sharded_by)}"
+            elif launched_with:
+                where = f"{' and '.join(launched_with)} set by an accelerate config"
+            else:
+                where = "`deepspeed`/`fsdp`"
             raise ValueError(
                 "LongStrawGRPOTrainer supports data parallelism through DDP (plain `accelerate launch`), not "
-                f"DeepSpeed or FSDP ({where}): the serial replay runs on the unsharded model. Launch without them; to "
+                f"DeepSpeed, FSDP or tensor parallelism ({where}): the serial replay runs on the unsharded model. "
+                "Launch without them; to "
                 "fit a large model use QLoRA (`load_in_4bit`), `prompt_state_device='cpu'`, or one process whose model "
                 "`device_map` splits over the machine's GPUs."
             )
