@@ -27,30 +27,28 @@ def env_flag(name: str) -> bool:
     return bool(strtobool(os.environ.get(name, "false")))
 
 
-def accelerate_context_parallel_size(parallelism_config) -> int | None:
-    """The cp size a user gave Accelerate (`parallelism_config`, or an accelerate config file whose
-    `parallelism_config` section reaches the process as `PARALLELISM_CONFIG_*` environment variables), or None if
-    none was given. (`accelerate launch --parallelism_config_cp_size N` alone exports nothing with accelerate 1.15.)"""
+def accelerate_size(parallelism_config, name: str) -> int:
+    """A `ParallelismConfig` size (`cp_size`, `dp_shard_size`, `tp_size`, ...) a user gave Accelerate, 1 if none:
+    from `parallelism_config`, or from an accelerate config file, whose `parallelism_config` section reaches the
+    process as `PARALLELISM_CONFIG_*` environment variables. (`accelerate launch --parallelism_config_cp_size N` alone
+    exports nothing with accelerate 1.15.)"""
     if parallelism_config is not None:
-        return parallelism_config.cp_size if parallelism_config.cp_size and parallelism_config.cp_size > 1 else None
+        return getattr(parallelism_config, name) or 1
     if env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
-        size = int(os.environ.get("PARALLELISM_CONFIG_CP_SIZE", "1"))
-        return size if size > 1 else None
-    return None
+        return int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}", "1"))
+    return 1
+
+
+def accelerate_context_parallel_size(parallelism_config) -> int | None:
+    """The cp size a user gave Accelerate (`accelerate_size`), or None if none above 1 was given."""
+    size = accelerate_size(parallelism_config, "cp_size")
+    return size if size > 1 else None
 
 
 def accelerate_weight_sharding(parallelism_config) -> list[str]:
-    """The weight-sharding sizes above 1 a user gave Accelerate, as `name=size` (`dp_shard_size`: FSDP2, `tp_size`:
-    tensor parallelism), from `parallelism_config` or an accelerate config file's `PARALLELISM_CONFIG_*` variables."""
-    if parallelism_config is not None:
-        sizes = {name: getattr(parallelism_config, name) or 1 for name in ("dp_shard_size", "tp_size")}
-    elif env_flag("ACCELERATE_USE_PARALLELISM_CONFIG"):
-        sizes = {
-            name: int(os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}", "1"))
-            for name in ("dp_shard_size", "tp_size")
-        }
-    else:
-        return []
+    """The weight-sharding sizes above 1 a user gave Accelerate (`accelerate_size`), as `name=size`
+    (`dp_shard_size`: FSDP2, `tp_size`: tensor parallelism)."""
+    sizes = {name: accelerate_size(parallelism_config, name) for name in ("dp_shard_size", "tp_size")}
     return [f"{name}={size}" for name, size in sizes.items() if size > 1]
 
 
