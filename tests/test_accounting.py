@@ -27,7 +27,7 @@ from trl_longstraw.embedded import FAMILIES, build_model, tiny_config
 from trl_longstraw.engine import LongStrawEngine
 from trl_longstraw.state.registry import LayerAccount
 
-from .test_engine import case, prepared
+from .test_engine import case, chunked_attention_model, prepared
 
 
 def architecture(name):
@@ -45,6 +45,15 @@ def test_accounting_matches_a_captured_state(family, prompt_gradient, prompt_len
     state = engine.capture(model, prompt, first_position=0)
     account = prompt_state_account(model.config, dtype_bytes=4, exact=prompt_gradient == "exact")
     assert account.bytes(prompt_length - 1) == state.nbytes()
+
+
+def test_a_chunked_layers_fixed_bytes_are_its_fullest_chunk():
+    """A chunked-attention layer keeps the entries of the next token's chunk before it: at most `chunk - 1`."""
+    model = prepared(chunked_attention_model(chunk_size=8))
+    prompt, _, _ = case(prompt_length=16)  # 15 captured: the next token is the last of its chunk
+    state = LongStrawEngine(64, 16).capture(model, prompt, first_position=0)
+    assert [layer.length for layer in state.layers] == [7, 7, 7, 15]
+    assert prompt_state_account(model.config, dtype_bytes=4, exact=False).bytes(15) == state.nbytes()
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "mistral", "qwen3"])

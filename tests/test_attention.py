@@ -265,6 +265,26 @@ def test_dsa_top_k_agrees_in_float32_with_float64():
         assert torch.allclose(single, double, atol=2e-5, rtol=1e-4), (single - double).abs().max()
 
 
+@pytest.mark.parametrize("top_k", [False, True])
+def test_a_row_that_sees_no_key_gets_zero_output_and_gradients(top_k):
+    """A block's rows past the window of all its keys (and without a block of their own here) see nothing: `o = 0`,
+    `lse = -inf`, and the backward, which subtracts that `lse`, must give them zero gradients, not NaN."""
+    q, prefix_k, prefix_v, *_ = inputs(torch.float64)
+    q_positions = torch.arange(PREFIX, PREFIX + TOKENS)  # 9..13: with a window of 3, rows 11..13 see no prompt key
+    picked = torch.arange(PREFIX - 3, PREFIX).expand(BATCH, TOKENS, 3) if top_k else None  # keys 6..8, every row
+
+    def fn(q, prefix_k, prefix_v):
+        blocks = [(prefix_k, prefix_v, KeyBlock(torch.arange(PREFIX), shared=True, picked=picked))]
+        return attention_over_blocks(q, blocks, q_positions, 0.3, Visibility(sliding_window=3), 4)
+
+    out = fn(q, prefix_k, prefix_v)
+    out.backward(torch.randn_like(out))
+    assert torch.all(out[:, :, 2:] == 0) and out[:, :, :2].abs().sum() > 0
+    assert torch.all(q.grad[:, :, 2:] == 0) and torch.isfinite(q.grad).all()
+    assert torch.isfinite(prefix_k.grad).all() and torch.isfinite(prefix_v.grad).all()
+    assert torch.autograd.gradcheck(fn, (q, prefix_k, prefix_v), fast_mode=True, atol=1e-8, rtol=1e-5)
+
+
 def test_merge_by_lse_keeps_rows_that_saw_no_key_at_zero():
     out = torch.randn(1, 2, 3, 4)
     no_keys = torch.full((1, 2, 3), float("-inf"))

@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Llama4TextConfig
 from trl.trainer.utils import add_fused_lm_head
 
 from trl_longstraw.embedded import build_model
@@ -36,6 +37,28 @@ def full_forward(model, prompt, completions, lengths, offset=0):
         out = model(input_ids=ids, position_ids=positions, labels=labels, fused_lm_head=True)
         rows.append((out.log_probs[0, -completions.shape[1] :], out.entropy[0, -completions.shape[1] :]))
     return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+
+def chunked_attention_model(chunk_size=8):
+    """Llama 4 text, random weights: three chunked-attention (RoPE) layers, then a full-attention (NoPE) layer."""
+    config = Llama4TextConfig(
+        vocab_size=102,
+        hidden_size=64,
+        intermediate_size=64,
+        intermediate_size_mlp=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=2,
+        interleave_moe_layer_step=1,
+        attention_chunk_size=chunk_size,
+        attn_temperature_tuning=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.base_model_prefix = "model"  # TRL's fused LM head finds the backbone by it (the class says language_model)
+    return model
 
 
 def case(seed=0, prompt_length=29, completion_width=7, vocab=100):
@@ -137,6 +160,41 @@ def test_a_one_token_prompt_scores_and_replays_from_an_empty_state(family):
     assert torch.allclose(logps.detach(), scored[0], atol=1e-6)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3", "glm_moe_dsa"])
+def test_a_two_token_prompt_scores_and_replays_from_a_one_entry_state(family):
+    model = prepared(build_model(family))
+    prompt, completions, lengths = case(prompt_length=2)
+    engine = LongStrawEngine(8, 4)
+    with torch.no_grad():
+        want, _ = full_forward(model, prompt, completions, lengths, offset=3)
+        state = engine.capture(model, prompt, first_position=3)
+        scored, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
+    assert state.num_tokens == 1
+    assert (scored - want).abs().max() <= 1e-5
+    logps, _ = engine.replay(model, state, prompt[-1:], completions[0], int(lengths[0]))
+    assert torch.allclose(logps.detach(), scored[0], atol=1e-6)
+
+
+def test_chunked_attention_counts_its_chunks_from_the_first_prompt_token():
+    """Llama 4's chunks start at the first real token (HF counts them past the left padding): a prompt at position 5
+    keeps the 4 entries of its current chunk, and scores and replays as the model's own forward."""
+    model = chunked_attention_model(chunk_size=8)
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    add_fused_lm_head(eager, outputs=("log_probs", "entropy"))
+    model = prepared(model)
+    prompt, completions, lengths = case(prompt_length=21)
+    engine = LongStrawEngine(8, 4)
+    with torch.no_grad():
+        want, _ = full_forward(eager, prompt, completions, lengths, offset=5)
+        state = engine.capture(model, prompt, first_position=5)
+        scored, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
+    assert [layer.length for layer in state.layers] == [4, 4, 4, 20]  # (25 - 5) % 8 entries; the NoPE layer all
+    assert (scored - want).abs().max() <= 1e-5
+    logps, _ = engine.replay(model, state, prompt[-1:], completions[0], int(lengths[0]))
+    assert torch.allclose(logps.detach(), scored[0], atol=1e-6)
+
+
 @pytest.mark.parametrize(("family", "kind"), [("qwen3", AttentionPages), ("deepseek_v3", LatentPages)])
 def test_capture_and_recompute_skip_the_final_layers_attention(monkeypatch, family, kind):
     """The prompt tokens' attention at the final layer feeds nothing a replay or the exact gradient reads (without the
@@ -235,11 +293,12 @@ def test_activation_checkpointing_replays_from_the_prompt_state(family):
         assert torch.allclose(checkpointed_grads[name], grad, atol=1e-6, rtol=1e-5), name
 
 
+@pytest.mark.parametrize("value_dim", [16, 24])  # 24: values wider than the keys' no-rope part (the bias splits)
 @pytest.mark.parametrize("family", ["deepseek_v3", "glm_moe_dsa"])
-def test_mla_absorption_keeps_a_kv_b_proj_bias(family):
+def test_mla_absorption_keeps_a_kv_b_proj_bias(family, value_dim):
     """The absorbed MLA reads the latents, not per-head K/V: a `kv_b_proj` bias must still reach the values (the
     key bias is a per-query constant the softmax ignores)."""
-    model = build_model(family, seed=0)
+    model = build_model(family, seed=0, v_head_dim=value_dim)
     for layer in model.model.layers:
         dense = layer.self_attn.kv_b_proj
         biased = torch.nn.Linear(dense.in_features, dense.out_features, bias=True)

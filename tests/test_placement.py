@@ -39,6 +39,41 @@ def test_fp8_pages_round_each_entry_within_its_page_scale():
     assert pages.data.dtype == torch.float8_e4m3fn and pages.scales.shape == (2, -(-300 // FP8_PAGE_TOKENS))
 
 
+def test_fp8_pages_store_each_pages_largest_entry_at_the_formats_largest_value():
+    """The scale uses the format's whole range: a smaller one overflows, a larger one wastes precision."""
+    values = spread_values()
+    pages = Pages(Placement("cpu"), 300, fp8=True)
+    pages.append(values)
+    stored = torch.nn.functional.pad(
+        pages.data.float().abs(), (0, 0, 0, pages.scales.shape[1] * FP8_PAGE_TOKENS - 300)
+    )
+    page_amax = stored.view(2, -1, FP8_PAGE_TOKENS, 16).amax(dim=(2, 3))
+    assert torch.equal(page_amax, torch.full_like(page_amax, FP8_MAX))
+    expected = torch.nn.functional.pad(values.abs(), (0, 0, 0, page_amax.shape[1] * FP8_PAGE_TOKENS - 300))
+    assert torch.allclose(pages.scales * FP8_MAX, expected.view(2, -1, FP8_PAGE_TOKENS, 16).amax(dim=(2, 3)))
+
+
+def test_an_all_zero_fp8_page_dequantizes_to_zeros():
+    values = spread_values(128)
+    values[1, FP8_PAGE_TOKENS:] = 0  # the second head's second page
+    pages = Pages(Placement("cpu"), 128, fp8=True)
+    pages.append(values)
+    restored = dequantize_pages(pages.data, pages.scales, torch.arange(128), FP8_PAGE_TOKENS, torch.float32)
+    assert torch.equal(restored[1, FP8_PAGE_TOKENS:], torch.zeros(FP8_PAGE_TOKENS, 16))
+    assert torch.isfinite(pages.scales).all() and (pages.scales > 0).all()
+
+
+def test_one_non_finite_entry_in_a_written_chunk_is_reported():
+    placement = Placement("cpu")
+    pages = Pages(placement, 300)
+    pages.append(spread_values(100))
+    chunk = spread_values(100)
+    chunk[1, 37, 5] = float("nan")
+    pages.append(chunk)
+    pages.append(spread_values(100))  # a later finite chunk does not clear the flag
+    assert not placement.all_finite()
+
+
 def test_fp8_entries_gathered_by_a_top_k_dequantize_with_their_own_pages_scales():
     """A DSA top-k reads entries scattered over many pages, `[heads, batch, tokens, k]` at once."""
     values = spread_values()
