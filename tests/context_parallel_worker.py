@@ -16,6 +16,7 @@ from trl_longstraw.context_parallel import (
     ContextParallelError,
     ContextParallelGroup,
     check_same_rows,
+    sum_added_gradients,
 )
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine, prepare_model
@@ -255,6 +256,19 @@ def different_histories(cp):
 ROLLOUT_FAMILIES = ("qwen3", "qwen3_5", "glm_moe_dsa", "gpt_oss")
 
 
+def gradients_reached_on_one_rank(cp):
+    """`sum_added_gradients` after a prompt recompute that reached a parameter on rank 0 only (an expert only its
+    shard's tokens route to): every rank must end with that parameter's gradient, and with the others' sums."""
+    shared, expert, untouched = (torch.nn.Parameter(torch.zeros(3)) for _ in range(3))
+    shared.grad = torch.full((3,), 10.0)  # the replays' part, identical on every rank, kept once
+    before = [shared.grad.clone(), None, None]
+    shared.grad += cp.rank + 1  # each rank's recompute adds to it
+    if cp.rank == 0:
+        expert.grad = torch.full((3,), 5.0)
+    sum_added_gradients([shared, expert, untouched], before, cp)
+    return [None if p.grad is None else p.grad.tolist() for p in (shared, expert, untouched)]
+
+
 def run(rank, world_size, init_file, cases, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -265,6 +279,7 @@ def run(rank, world_size, init_file, cases, out_dir):
         results["indexer_communication"] = indexer_communication(cp)
         results["fp8"] = {family: check_fp8_pages(family, cp) for family in ("qwen3", "deepseek_v3")}
         results["short_prompt"] = refusal(cp)
+        results["reached_on_one_rank"] = gradients_reached_on_one_rank(cp)
         results["different_histories"] = different_histories(cp)
         results["chunked"] = refusal(cp, prompt_length=PROMPT_LENGTH, model=chunked_attention_model())
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))

@@ -104,6 +104,11 @@ def test_fp8_pages_shard_too_and_score_within_fp8_rounding(ranks, family):
         assert to_fp8 <= 2e-2 and to_full <= 2e-2
 
 
+def test_a_parameter_only_one_ranks_recompute_reaches_gets_its_gradient_on_every_rank(ranks):
+    for rank in ranks:
+        assert rank["reached_on_one_rank"] == [[13.0] * 3, [5.0] * 3, None]  # 10 + (1 + 2); rank 0's 5; none
+
+
 def test_a_prompt_shorter_than_the_group_is_refused_naming_the_fix(ranks):
     for rank in ranks:
         assert "Lower context_parallel_size" in rank["short_prompt"]
