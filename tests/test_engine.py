@@ -175,6 +175,17 @@ def test_a_two_token_prompt_scores_and_replays_from_a_one_entry_state(family):
     assert torch.allclose(logps.detach(), scored[0], atol=1e-6)
 
 
+def test_members_without_completion_tokens_score_zeros():
+    """Every member truncated to nothing (or masked): stock's log-probs are zeros there, which the loss masks."""
+    model = prepared(build_model("qwen3"))
+    prompt, completions, _ = case()
+    engine = LongStrawEngine(8, 4)
+    with torch.no_grad():
+        state = engine.capture(model, prompt, first_position=0)
+        logps, _ = engine.score(model, state, prompt[-1:], completions, torch.zeros(3, dtype=torch.long), 2)
+    assert torch.equal(logps, torch.zeros(completions.shape))
+
+
 def test_chunked_attention_counts_its_chunks_from_the_first_prompt_token():
     """Llama 4's chunks start at the first real token (HF counts them past the left padding): a prompt at position 5
     keeps the 4 entries of its current chunk, and scores and replays as the model's own forward."""

@@ -46,11 +46,13 @@ def test_level2_scores_equal_a_full_eager_forward(family, prefill_chunk, attenti
     prompt, completions, lengths = case()
     engine = LongStrawEngine(prefill_chunk, attention_chunk)
     with torch.no_grad():
-        want, _ = full_forward(eager, prompt, completions, lengths, offset=5)
+        want, want_entropies = full_forward(eager, prompt, completions, lengths, offset=5)
         state = engine.capture(model, prompt, first_position=5)
-        logps, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=2)
+        logps, entropies = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=2)
     assert (logps - want).abs().max() <= 1e-5
     assert torch.all(logps[1, 3:] == 0) and torch.all(logps[2, 5:] == 0)
+    real = torch.arange(completions.shape[1])[None, :] < lengths[:, None]
+    assert ((entropies - want_entropies) * real).abs().max() <= 1e-5
 
 
 def sparse_dsa_error(family, before_scoring=lambda model: None, prompt_length=29):
