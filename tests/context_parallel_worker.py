@@ -22,6 +22,8 @@ from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine, prepare_model
 from trl_longstraw.state import AttentionPages, IndexerKeys, LatentPages
 
+from .test_engine import chunked_attention_model
+
 PROMPT_LENGTH, COMPLETION_WIDTH = 37, 7
 # DSA: top-12 of up to 43 keys, so the selection matters (a per-shard top-k would pick 24); 32 index heads, so that no
 # key scores exactly 0 (ReLU) and no tie sits at the boundary.
@@ -207,27 +209,6 @@ def indexer_communication(cp):
     tokens = COMPLETION_WIDTH + 1  # the last prompt token, then the completion
     layers = sum(indexer == "full" for indexer in model.config.indexer_types)
     return COMMUNICATION["indexer"], layers * tokens * 2 * cp.size * OVERRIDES[family]["index_topk"]
-
-
-def chunked_attention_model():
-    """Llama 4's chunked attention (not in the support table; refused under context parallelism)."""
-    from transformers import AutoModelForCausalLM, Llama4TextConfig
-
-    torch.manual_seed(0)
-    config = Llama4TextConfig(
-        vocab_size=102,
-        hidden_size=64,
-        intermediate_size=64,
-        intermediate_size_mlp=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=2,
-        attention_chunk_size=8,
-        interleave_moe_layer_step=1,
-    )
-    return AutoModelForCausalLM.from_config(config)
 
 
 def refusal(cp, family="qwen3", prompt_length=2, model=None):

@@ -145,31 +145,17 @@ def test_prompt_state_on_cpu_gives_the_same_scores():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("prompt_length", [1, 2])  # an empty state; a one-entry state
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "qwen3_5", "nemotron_h", "deepseek_v3", "glm_moe_dsa"])
-def test_a_one_token_prompt_scores_and_replays_from_an_empty_state(family):
+def test_a_one_or_two_token_prompt_scores_and_replays_from_its_captured_tokens(family, prompt_length):
     model = prepared(build_model(family))
-    prompt, completions, lengths = case(prompt_length=1)
-    engine = LongStrawEngine(8, 4)
-    with torch.no_grad():
-        want, _ = full_forward(model, prompt, completions, lengths, offset=3)
-        state = engine.capture(model, prompt, first_position=3)
-        scored, _ = engine.score(model, state, prompt, completions, lengths, batch_size=3)
-    assert state.num_tokens == 0 and state.nbytes() == 0
-    assert (scored - want).abs().max() <= 1e-5
-    logps, _ = engine.replay(model, state, prompt, completions[0], int(lengths[0]))
-    assert torch.allclose(logps.detach(), scored[0], atol=1e-6)
-
-
-@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3", "glm_moe_dsa"])
-def test_a_two_token_prompt_scores_and_replays_from_a_one_entry_state(family):
-    model = prepared(build_model(family))
-    prompt, completions, lengths = case(prompt_length=2)
+    prompt, completions, lengths = case(prompt_length=prompt_length)
     engine = LongStrawEngine(8, 4)
     with torch.no_grad():
         want, _ = full_forward(model, prompt, completions, lengths, offset=3)
         state = engine.capture(model, prompt, first_position=3)
         scored, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
-    assert state.num_tokens == 1
+    assert state.num_tokens == prompt_length - 1 and (state.nbytes() == 0) == (prompt_length == 1)
     assert (scored - want).abs().max() <= 1e-5
     logps, _ = engine.replay(model, state, prompt[-1:], completions[0], int(lengths[0]))
     assert torch.allclose(logps.detach(), scored[0], atol=1e-6)
