@@ -31,10 +31,10 @@ def inputs(dtype, seed=0, value_dim=DIM):
 
 def ours(q, prefix_k, prefix_v, own_k, own_v, sinks, visibility, chunk, softcap=None, picked=None):
     """`picked [batch, tokens, k]`: a DSA top-k in key indices over [prompt keys, own keys], as MLA passes it."""
-    q_positions = torch.arange(PREFIX, PREFIX + TOKENS, device=q.device)
+    q_positions = torch.arange(PREFIX, PREFIX + TOKENS)  # on the host, as LongStraw builds positions
     own_picked = None if picked is None else picked - PREFIX
     blocks = [
-        (prefix_k, prefix_v, KeyBlock(torch.arange(PREFIX, device=q.device), shared=True, picked=picked)),
+        (prefix_k, prefix_v, KeyBlock(torch.arange(PREFIX), shared=True, picked=picked)),
         (own_k, own_v, KeyBlock(q_positions, shared=False, picked=own_picked)),
     ]
     return attention_over_blocks(q, blocks, q_positions, 0.3, visibility, chunk, softcap=softcap, sinks=sinks)
@@ -148,6 +148,18 @@ def test_fused_path_is_taken_for_float32_on_cpu(fused_backward_calls, chunk, vis
     assert sorted(fused_backward_calls) == [False] * -(-PREFIX // chunk) + [
         True
     ]  # the prompt's chunks, then the own block whole
+
+
+@pytest.mark.parametrize("chunk", [64, 3])
+def test_chunks_the_fused_kernels_take_build_no_mask(fused_backward_calls, chunk, monkeypatch):
+    """Choosing a chunk's kernel reads its positions' ends only: a chunk the fused kernels take (the prompt's, all
+    visible; the own keys, one square causal block) builds no `[rows, keys]` mask, forward or backward."""
+    masks = []
+    pairs = attention.visible_pairs
+    monkeypatch.setattr(attention, "visible_pairs", lambda *args: masks.append(args) or pairs(*args))
+    ours(*inputs(torch.float32)[:5], None, CAUSAL, chunk).sum().backward()
+    assert sorted(fused_backward_calls) == [False] * -(-PREFIX // chunk) + [True]
+    assert masks == []
 
 
 def test_a_window_edge_takes_plain_tiles_and_the_chunks_inside_it_the_fused_kernel(fused_backward_calls):

@@ -12,7 +12,7 @@ import torch
 from trl_longstraw.embedded import FAMILIES, build_model
 from trl_longstraw.engine import LongStrawEngine
 
-from .test_attention import CAUSAL, inputs, ours
+from .test_attention import CAUSAL, VISIBILITIES, inputs, ours
 from .test_attention import test_bf16_under_autocast_accumulates_like_fp32 as bf16_autocast_check
 from .test_engine import case, full_forward, prepared
 from .test_families import DSA
@@ -229,6 +229,22 @@ def test_fused_cuda_path_is_taken_and_agrees_with_the_plain_tiles(dtype, value_d
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     for fused, plain in zip(*results, strict=True):
         assert torch.allclose(fused, plain, atol=tolerance, rtol=tolerance), (fused - plain).abs().max()
+
+
+@pytest.mark.parametrize("visibility", ["causal", "window"])
+def test_attention_over_the_prompt_makes_no_device_sync(visibility):
+    """Each key chunk's kernel is chosen from host positions, and a mask (a window's edge) is built on the device
+    from a non-blocking copy: a forward and backward over a chunked prompt block and the own block never wait for the
+    GPU (a sync per chunk would stall the queue behind the host on every chunk of every layer of every forward)."""
+    tensors = _on_cuda(inputs(torch.float32), torch.float32)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = ours(*tensors[:5], None, VISIBILITIES[visibility], 4)
+        out.square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(t.grad is not None for t in tensors[:5])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -122,24 +122,35 @@ class Visibility:
 CAUSAL = Visibility()
 
 
-def visible_keys(q_positions: torch.Tensor, k_positions: torch.Tensor, visibility: Visibility) -> torch.Tensor | None:
-    """Boolean `[rows, keys]` visibility (causal by absolute position, windowed or chunked), or None if all visible:
-    every key precedes every query and, with a window or chunks, lies inside every query's (ascending key positions).
-    """
-    if int(k_positions[-1]) <= int(q_positions.min()) and window_keeps_all(
-        visibility, k_positions[0], q_positions.max()
-    ):
+def sees_every_key(q_positions: torch.Tensor, k_positions: torch.Tensor, visibility: Visibility) -> bool:
+    """Whether every key precedes every query and, with a window or chunks, lies inside every query's (ascending key
+    positions). The positions are host tensors: this reads their values, which on a GPU would be a device sync per
+    key chunk."""
+    return int(k_positions[-1]) <= int(q_positions.min()) and window_keeps_all(
+        visibility, int(k_positions[0]), int(q_positions.max())
+    )
+
+
+def visible_keys(
+    q_positions: torch.Tensor, k_positions: torch.Tensor, visibility: Visibility, device: torch.device | None = None
+) -> torch.Tensor | None:
+    """Boolean `[rows, keys]` visibility on `device` (causal by absolute position, windowed or chunked) of host
+    positions, or None if all visible (`sees_every_key`): only a mask that is needed is built, on the device."""
+    if sees_every_key(q_positions, k_positions, visibility):
         return None
-    return visible_pairs(q_positions[:, None], k_positions[None, :], visibility)
+    return visible_pairs(to_device(q_positions, device)[:, None], to_device(k_positions, device)[None, :], visibility)
 
 
-def window_keeps_all(visibility: Visibility, first_key: torch.Tensor, last_query: torch.Tensor) -> bool:
+def to_device(positions: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """Host `positions` on `device`, without a device sync (a blocking host-to-device copy synchronises the stream)."""
+    return positions if device is None else positions.to(device, non_blocking=True)
+
+
+def window_keeps_all(visibility: Visibility, first_key: int, last_query: int) -> bool:
     """Whether a sliding window or chunking (if any) drops none of the causal pairs between keys from position
-    `first_key` on and queries up to position `last_query` (0-d tensors, read only for a windowed or chunked layer:
-    on CUDA each read is a host sync)."""
+    `first_key` on and queries up to position `last_query`."""
     if not visibility.windowed():
         return True
-    first_key, last_query = int(first_key), int(last_query)
     if visibility.sliding_window is not None and last_query - first_key >= visibility.sliding_window:
         return False
     if visibility.chunk_size is not None:
@@ -161,7 +172,8 @@ def visible_pairs(q_positions: torch.Tensor, k_positions: torch.Tensor, visibili
 
 @dataclass(frozen=True)
 class KeyBlock:
-    """One set of keys the queries attend to, besides its tensors: their absolute `positions [keys]`, whether they are
+    """One set of keys the queries attend to, besides its tensors: their absolute `positions [keys]` (on the host, where
+    the chunk decisions read them), whether they are
     `shared` by every batch row (the prompt's pages, `[kv_heads, keys, d]`) or one set per row (the forward's own
     tokens, `[batch * kv_heads, keys, d]`), an optional DSA top-k `picked [batch, tokens, k]` (the keys each token
     picked, distinct per token as `topk` returns them, as indices into this block; an index outside `0 .. keys - 1`
@@ -206,12 +218,12 @@ class _Chunk:
 
     keys: torch.Tensor  # [groups, n, d] on the compute device
     values: torch.Tensor  # [groups, n, dv]
-    row_positions: torch.Tensor  # [rows]
-    key_positions: torch.Tensor  # [n]
+    row_positions: torch.Tensor  # [rows], on the host
+    key_positions: torch.Tensor  # [n], on the host
     visibility: Visibility
 
     def mask(self, rows=slice(None)) -> torch.Tensor | None:
-        return visible_keys(self.row_positions[rows], self.key_positions, self.visibility)
+        return visible_keys(self.row_positions[rows], self.key_positions, self.visibility, self.keys.device)
 
 
 def _fusable(chunk: _Chunk, q: torch.Tensor, softcap) -> str | None:
@@ -226,13 +238,13 @@ def _fusable(chunk: _Chunk, q: torch.Tensor, softcap) -> str | None:
         return None
     if softcap is not None or chunk.values.shape[-1] > q.shape[-1]:
         return None  # soft-capping; a value head wider than the key head (no supported model has one)
-    if visible_keys(chunk.row_positions, chunk.key_positions, chunk.visibility) is None:
+    if sees_every_key(chunk.row_positions, chunk.key_positions, chunk.visibility):
         return "all"
     tokens, rows = chunk.key_positions.numel(), chunk.row_positions.numel()
     if (
         rows % tokens == 0
         and torch.equal(chunk.row_positions.view(-1, tokens), chunk.key_positions.expand(rows // tokens, tokens))
-        and window_keeps_all(chunk.visibility, chunk.key_positions[0], chunk.key_positions[-1])
+        and window_keeps_all(chunk.visibility, int(chunk.key_positions[0]), int(chunk.key_positions[-1]))
     ):
         return "causal"
     return None
@@ -423,8 +435,10 @@ class _Picked:
         width = max(1, int(inside.sum(-1).max()))
         inside, picked = inside.gather(-1, order[..., :width]), picked.gather(-1, order[..., :width])
         self.index = torch.where(inside, picked, torch.zeros_like(picked))  # [batch, tokens, width]
-        key_positions = block.positions.to(q.device)[self.index]
-        self.visible = inside & visible_pairs(q_positions[None, :, None], key_positions, visibility)
+        key_positions = to_device(block.positions, q.device)[self.index]
+        self.visible = inside & visible_pairs(
+            to_device(q_positions, q.device)[None, :, None], key_positions, visibility
+        )
         self.entries = None  # the block's indices of the staged entries, when the pages live elsewhere
         if block.shared and pages_elsewhere(keys, q):
             self._stage_picked_entries(q.device)
@@ -713,9 +727,10 @@ def attention_over_blocks(
     """Attention of `q [batch, heads, tokens, d]` at absolute `q_positions [tokens]` over `(keys, values, KeyBlock)`
     blocks, as one softmax; returns `o [batch, heads, tokens, dv]`. See `BlockAttention`."""
     tensors = [t for keys, values, _ in blocks for t in (keys, values)]
-    # Positions are built where the inputs enter the model: under `device_map` this layer may compute elsewhere
-    specs = tuple(replace(block, positions=block.positions.to(q.device)) for _, _, block in blocks)
-    q_positions = q_positions.to(q.device)
+    # The positions are read on the host, chunk by chunk (`_fusable`): LongStraw builds them there, so `.cpu()` is a
+    # no-op; positions given on a device cost one sync here, not one per chunk.
+    specs = tuple(replace(block, positions=block.positions.cpu()) for _, _, block in blocks)
+    q_positions = q_positions.cpu()
     return BlockAttention.apply(q, sinks, q_positions, scaling, visibility, chunk_size, softcap, specs, *tensors)
 
 
@@ -773,8 +788,8 @@ def _stock_attention(
     eager = sys.modules[type(module).__module__].eager_attention_forward
     if attention_mask is None:  # SDPA's mask may be skipped in favour of `is_causal`; eager needs it spelled out
         queries, keys = query.shape[2], key.shape[2]
-        q_positions = torch.arange(keys - queries, keys, device=query.device)
-        attention_mask = visible_keys(q_positions, torch.arange(keys, device=query.device), Visibility(sliding_window))
+        q_positions = torch.arange(keys - queries, keys)
+        attention_mask = visible_keys(q_positions, torch.arange(keys), Visibility(sliding_window), query.device)
         attention_mask = None if attention_mask is None else attention_mask[None, None]
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         attention_mask = torch.zeros_like(attention_mask, dtype=query.dtype).masked_fill_(

@@ -429,9 +429,7 @@ class ShardedView:
         self.state = state
 
     # -- per kind ----------------------------------------------------------------------------------------------------
-    def page_block(
-        self, device, dtype, limit=None, indices=None
-    ) -> tuple[tuple[KeyBlock, ...], tuple[torch.Tensor, ...]]:
+    def page_block(self, dtype, limit=None, indices=None) -> tuple[tuple[KeyBlock, ...], tuple[torch.Tensor, ...]]:
         """This rank's pages (their first `limit` entries; all by default) as one shared key block, or nothing; with
         DSA top-k `indices` (global key indices), only the keys they select."""
         raise NotImplementedError
@@ -474,7 +472,7 @@ class ShardedView:
                 def on_backward(d_out, layer_idx=self.layer.layer_idx):
                     state.announce_backward(layer_idx, d_out)
 
-        page_blocks, page_tensors = self.page_block(query.device, query.dtype, limit, indices)
+        page_blocks, page_tensors = self.page_block(query.dtype, limit, indices)
         own_picked = None if indices is None else indices.long() - access.prefix_length
         call = _Call(
             state.cp,
@@ -493,7 +491,7 @@ class ShardedView:
     def _served_blocks(self, served: _Served, owner: int):
         if self.state.cp.rank > owner:  # this shard lies after the owner's queries: nothing it may see
             return (), ()
-        return self.page_block(served.query.device, served.query.dtype, indices=served.selection)
+        return self.page_block(served.query.dtype, indices=served.selection)
 
     @torch.no_grad()
     def serve_forward(self, served: _Served, owner: int, chunk_size: int) -> None:
@@ -547,12 +545,12 @@ class ShardedView:
 class ShardedAttention(ShardedView):
     """Softmax attention (GQA/MQA): this rank's K/V pages."""
 
-    def page_block(self, device, dtype, limit=None, indices=None):
+    def page_block(self, dtype, limit=None, indices=None):
         layer = self.layer
         limit = layer.length if limit is None else limit
         if limit == 0:
             return (), ()
-        positions = torch.arange(layer.start_position, layer.start_position + limit, device=device)
+        positions = torch.arange(layer.start_position, layer.start_position + limit)
         dequantize = layer._dequantizer(dtype) if layer.key.fp8 else None
         block = KeyBlock(positions, shared=True, dequantize=dequantize)
         return (block,), (layer.key.read(limit), layer.value.read(limit))
@@ -584,13 +582,13 @@ class ShardedAttention(ShardedView):
 class ShardedLatentAttention(ShardedView):
     """MLA: this rank's latent pages, read as multi-query attention by the absorbed queries (as `LatentPages`)."""
 
-    def page_block(self, device, dtype, limit=None, indices=None):
+    def page_block(self, dtype, limit=None, indices=None):
         pages = self.layer.pages
         limit = pages.length if limit is None else limit
         if limit == 0:
             return (), ()
         start = self.layer.prompt.start_position  # the shard's first absolute position
-        positions = torch.arange(start, start + limit, device=device)
+        positions = torch.arange(start, start + limit)
         picked = None if indices is None else indices.long() - self.state.shard[0]
         block = KeyBlock(positions, shared=True, picked=picked, dequantize=self.layer.dequantizer(dtype))
         data = pages.read(limit)
@@ -758,7 +756,7 @@ class ShardedPromptState(PromptState):
                 (int(batch), int(heads), int(tokens), int(dim)), dtype=_DTYPES[int(dtype)], device=device
             )
             query = self.cp.broadcast(query, owner, kind="capture")
-            positions = torch.arange(int(first), int(first) + int(tokens), device=device)
+            positions = torch.arange(int(first), int(first) + int(tokens))
             window = None if window < 0 else int(window)
             served = _Served(query, positions, None, None, scaling, window, softcap or None, has_sinks, int(value_dim))
             served.selection = self.selection if selects else None

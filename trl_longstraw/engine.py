@@ -63,6 +63,13 @@ def _count_optimizer_step(optimizer, args, kwargs) -> None:
 register_optimizer_step_post_hook(_count_optimizer_step)
 
 
+def absolute_positions(first: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions `first .. first + count - 1` twice: on the host for the prompt state's attention, which reads them to
+    choose each key chunk's kernel (on a GPU, reading a device tensor is a sync per chunk), and on `device` as the
+    model's `position_ids` (copying one to the other would sync too)."""
+    return torch.arange(first, first + count), torch.arange(first, first + count, device=device)
+
+
 def weights_version(model: nn.Module) -> tuple[int, int]:
     """A stamp that moves whenever the weights may have changed: `(optimizer steps in this process, the sum of the
     parameters' autograd version counters)`.
@@ -208,7 +215,7 @@ class LongStrawEngine:
         with `routing`, also the chunk's router load (with its graph when recomputing)."""
         device = self._device(model)
         first_position = state.start_position + start
-        positions = torch.arange(first_position, first_position + token_ids.numel(), device=device)
+        positions, position_ids = absolute_positions(first_position, token_ids.numel(), device)
         access = StateAccess(
             state,
             mode,
@@ -221,7 +228,7 @@ class LongStrawEngine:
         routed = {} if self.routing is None else {"output_router_logits": True}
         outputs = model.base_model(
             input_ids=token_ids.to(device)[None],
-            position_ids=positions[None],
+            position_ids=position_ids[None],
             cache=access,
             use_cache=False,
             **routed,
@@ -229,7 +236,7 @@ class LongStrawEngine:
         )
         if self.routing is None:
             return access, None
-        return access, RouterLoad.of(outputs.router_logits, self.routing, torch.ones_like(positions))
+        return access, RouterLoad.of(outputs.router_logits, self.routing, torch.ones_like(position_ids))
 
     def _member_forward(self, model, state, last_prompt_token, completions, lengths):
         """Log-probs and entropies of `completions [n, T]` (right-padded; `lengths [n]` real tokens) given the state,
@@ -251,7 +258,7 @@ class LongStrawEngine:
             [completions.masked_fill(~real, -100), completions.new_full((len(completions), 1), -100)], 1
         )
         first_position = state.start_position + state.num_tokens
-        positions = torch.arange(first_position, first_position + width + 1, device=device)
+        positions, position_ids = absolute_positions(first_position, width + 1, device)
         access = StateAccess(
             state, "read", positions, self.attention_chunk_size, state.num_tokens, batch_size=len(completions)
         )
@@ -260,7 +267,7 @@ class LongStrawEngine:
         with checkpointed_layers_keep_the_state(model), recording as router_logits, on_the_heads_device(model):
             outputs = model(
                 input_ids=inputs,
-                position_ids=positions[None],
+                position_ids=position_ids[None],
                 shift_labels=labels,
                 fused_lm_head=True,
                 cache=access,
@@ -339,7 +346,7 @@ class LongStrawEngine:
         state.check_fresh(weights_version(model))
         device = self._device(model)
         first_position = suffix.first_position + suffix.length
-        positions = torch.arange(first_position, first_position + token_ids.shape[1], device=device)
+        positions, position_ids = absolute_positions(first_position, token_ids.shape[1], device)
         access = StateAccess(
             state,
             "decode",
@@ -351,7 +358,7 @@ class LongStrawEngine:
         )
         outputs = model(
             input_ids=token_ids.to(device),
-            position_ids=positions[None],
+            position_ids=position_ids[None],
             cache=access,
             logits_to_keep=1,
             **{STATE_KWARG: access},

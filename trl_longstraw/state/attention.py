@@ -106,7 +106,7 @@ class AttentionPages(LayerState):
         limit = access.prefix_length if access.mode == "recompute" else self.length
         blocks = []
         if limit > 0:
-            page_positions = torch.arange(self.start_position, self.start_position + limit, device=query.device)
+            page_positions = torch.arange(self.start_position, self.start_position + limit)
             dequantize = self._dequantizer(query.dtype) if self.key.fp8 else None
             blocks.append(
                 (

@@ -98,9 +98,7 @@ class LatentPages(LayerState):
         blocks = []
         pages = self.pages.read(prefix)
         if prefix > 0 and pages is not None:
-            page_positions = torch.arange(
-                self.prompt.start_position, self.prompt.start_position + prefix, device=query.device
-            )
+            page_positions = torch.arange(self.prompt.start_position, self.prompt.start_position + prefix)
             block = KeyBlock(page_positions, shared=True, picked=indices, dequantize=self.dequantizer(query.dtype))
             blocks.append((pages, pages[..., :rank], block))
         picked = None if indices is None else indices.long() - prefix

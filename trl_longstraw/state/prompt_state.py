@@ -215,7 +215,8 @@ def _indexer_returned(module, args, output) -> None:
 class StateAccess(Cache):
     """What one forward carries to reach the prompt state: the `longstraw_state=` kwarg and the `cache=`.
 
-    `mode`: "capture" appends this forward's state (a chunk starting after `prefix_length` captured tokens); "read"
+    `query_positions`: the forward's absolute positions, on the host (the attention's key-chunk decisions read them
+    without a device sync; the model gets its own `position_ids`). `mode`: "capture" appends this forward's state (a chunk starting after `prefix_length` captured tokens); "read"
     only reads the final state (scoring and replay); "recompute" (exact prompt gradient, chunk `chunk_index` starting
     after `prefix_length` tokens) reads the state before the chunk and records this forward's state, with its graph,
     in `recorded`; "decode" (a rollout step) reads the final state and the rows' `suffix` (the tokens they decoded
@@ -269,7 +270,7 @@ class StateAccess(Cache):
         forward's tokens)."""
         if self.suffix is None:
             return self.query_positions
-        return self.suffix.positions(count, self.query_positions.numel(), self.query_positions.device)
+        return self.suffix.positions(count, self.query_positions.numel())
 
     # -- attention-like mixers (through the registered attention function) -------------------------------------------
     def output_unread(self, layer_idx: int) -> bool:

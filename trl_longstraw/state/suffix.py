@@ -35,10 +35,11 @@ class Suffix:
         self._windows: dict[tuple[object, str], torch.Tensor] = {}
         self._states: dict[tuple[object, str], torch.Tensor] = {}
 
-    def positions(self, count: int, new_tokens: int, device: torch.device) -> torch.Tensor:
-        """Absolute positions of the last `count` entries once a forward of `new_tokens` has extended them."""
+    def positions(self, count: int, new_tokens: int) -> torch.Tensor:
+        """Absolute positions of the last `count` entries once a forward of `new_tokens` has extended them (on the
+        host, as the attention reads positions)."""
         end = self.first_position + self.length + new_tokens
-        return torch.arange(end - count, end, device=device)
+        return torch.arange(end - count, end)
 
     @torch.no_grad()
     def extend(
