@@ -3,6 +3,7 @@ log-sum-exp, the fused CPU kernels against plain torch, visibility, soft-capping
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trl_longstraw import attention
 from trl_longstraw.attention import CAUSAL, KeyBlock, Visibility, attention_over_blocks, merge_by_lse
@@ -352,3 +353,43 @@ def test_dsa_top_k_with_values_that_are_the_keys_first_columns():
     for got, (keys, values) in zip(shared, (separate[:2], separate[2:]), strict=True):
         want = keys.grad + torch.nn.functional.pad(values.grad, (0, DIM - 5))
         assert torch.allclose(got, want, atol=1e-12)
+
+
+class _Crossings(TorchDispatchMode):
+    """Whether the source of each copy onto another device is contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        self.contiguous_sources = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.copy_.default:
+            target, source = args[0].device, args[1]
+        elif func is torch.ops.aten._to_copy.default:
+            source = args[0]
+            target = torch.device(kwargs.get("device") or source.device)
+        else:
+            return func(*args, **kwargs)
+        if target != source.device:
+            self.contiguous_sources.append(source.is_contiguous())
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("latents", [False, True])
+def test_host_pages_cross_to_the_compute_device_contiguous_and_once(latents):
+    """Staging a chunk of `[heads, entries, d]` pages that live elsewhere (host-resident state) copies only contiguous
+    memory across, each head's entries of the chunk, so PyTorch makes no pageable host copy of it first; MLA's values,
+    the latents' first columns, are not staged again beside them. ("meta" stands in for the GPU.)"""
+    heads = 1 if latents else KV_HEADS
+    keys = torch.randn(heads, PREFIX, DIM)
+    values = keys[..., : DIM - 2] if latents else torch.randn(heads, PREFIX, DIM)
+    q = torch.empty(BATCH, HEADS, TOKENS, DIM, device="meta")
+    fold = attention._Fold(BATCH, HEADS, TOKENS, heads, shared=True)
+    block = KeyBlock(torch.arange(PREFIX), shared=True)
+    with _Crossings() as crossings:
+        positions = torch.arange(PREFIX, PREFIX + TOKENS)
+        chunks = list(attention._chunks(q, keys, values, block, fold, positions, CAUSAL, 4, None))
+    assert [span for span, _ in chunks] == [slice(0, 4), slice(4, 8), slice(8, 9)]
+    assert all(chunk.keys.device.type == chunk.values.device.type == "meta" for _, chunk in chunks)
+    assert crossings.contiguous_sources == [True] * len(chunks) * heads * (1 if latents else 2)

@@ -372,6 +372,31 @@ def pages_elsewhere(keys: torch.Tensor, q: torch.Tensor) -> bool:
     return keys.device != q.device
 
 
+def stage(entries: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`entries [heads, ...]` on the compute `device`: asynchronous from pinned host memory. A chunk of host-resident
+    pages (`pages[:, start:end]`) is not contiguous, and PyTorch copies a non-contiguous host tensor into pageable
+    host memory before it crosses, synchronously on the host; each head's entries are contiguous, so each head crosses
+    on its own, from the pinned pages."""
+    if entries.device == device or entries.is_contiguous() or not all(head.is_contiguous() for head in entries):
+        return entries.to(device, non_blocking=True)
+    staged = torch.empty(entries.shape, dtype=entries.dtype, device=device)
+    for target, head in zip(staged, entries, strict=True):
+        target.copy_(head, non_blocking=True)
+    return staged
+
+
+def values_in_keys(keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether `values` are the first columns of `keys`, a view of the same pages (MLA's latents beside its latents +
+    rope keys): staged or gathered once, as the keys."""
+    return (
+        values.data_ptr() == keys.data_ptr()
+        and values.stride() == keys.stride()
+        and values.dtype == keys.dtype
+        and values.shape[:-1] == keys.shape[:-1]
+        and values.shape[-1] <= keys.shape[-1]
+    )
+
+
 def select_entries(pages: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`pages [heads, entries, d]` at entry indices `index`; fp8 pages by their bytes (a gather moves bytes, and not
     every device's `index_select` takes fp8)."""
@@ -392,10 +417,11 @@ def _chunks(q, keys, values, block: KeyBlock, fold: _Fold, q_positions, visibili
         whole = _Chunk(keys, values, row_positions, block.positions, visibility)
         if _fusable(whole, q, softcap) == "causal":
             chunk_size = keys.shape[1]
+    shares_pages = values_in_keys(keys, values)
     for start in range(0, keys.shape[1], chunk_size):
         end = min(start + chunk_size, keys.shape[1])
-        chunk_keys = keys[:, start:end].to(q.device, non_blocking=True)
-        chunk_values = values[:, start:end].to(q.device, non_blocking=True)
+        chunk_keys = stage(keys[:, start:end], q.device)
+        chunk_values = chunk_keys[..., : values.shape[-1]] if shares_pages else stage(values[:, start:end], q.device)
         if block.dequantize is not None:
             index = torch.arange(start, end, device=keys.device)  # where the pages (and their scales) live
             chunk_keys, chunk_values = block.dequantize(chunk_keys, chunk_values, index)
@@ -417,13 +443,7 @@ class _Picked:
         self.value_dim = values.shape[-1]
         self.keys, self.values, self.block = keys, values, block
         self.pages = (keys, values)  # the block's own tensors (`keys`/`values` become the staged entries, if staged)
-        self.values_in_keys = (  # MLA: the values are the keys' first columns, a view of the same pages
-            values.data_ptr() == keys.data_ptr()
-            and values.stride() == keys.stride()
-            and values.dtype == keys.dtype
-            and values.shape[:-1] == keys.shape[:-1]
-            and values.shape[-1] <= keys.shape[-1]
-        )
+        self.values_in_keys = values_in_keys(keys, values)
         self.kv_heads = keys.shape[0] if block.shared else keys.shape[0] // self.batch
         self.groups = heads // self.kv_heads
         picked = block.picked.to(device=q.device, dtype=torch.long)

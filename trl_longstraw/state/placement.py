@@ -2,7 +2,7 @@
 
 Placement is decided once per state (`prompt_state_device`), not per kind: every kind allocates, stores and stages
 through [`Placement`]. On a CUDA model with host-resident state, buffers are pinned so that staging a chunk onto the
-GPU is an asynchronous copy. [`Pages`] is the append buffer of K/V pages, MLA latents and DSA indexer keys: either
+GPU is an asynchronous copy (head by head: a chunk of `[heads, entries, dim]` pages is not contiguous). [`Pages`] is the append buffer of K/V pages, MLA latents and DSA indexer keys: either
 preallocated to the prompt's length and written at `length` (no copy when it grows), or rolling (only the entries a
 later token can still read: a sliding window, the current attention chunk).
 
@@ -19,6 +19,8 @@ from all its entries: the pages do not depend on `prefill_chunk_size`).
 from __future__ import annotations
 
 import torch
+
+from ..attention import stage
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
@@ -75,8 +77,8 @@ class Placement:
 
     @staticmethod
     def stage(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """`tensor` on the compute device (asynchronous from pinned host memory)."""
-        return tensor.to(device, non_blocking=True)
+        """`tensor` on the compute device (asynchronous from pinned host memory, head by head: `attention.stage`)."""
+        return stage(tensor, device)
 
     def check(self, written: torch.Tensor) -> None:
         finite = torch.isfinite(written).all()
