@@ -45,7 +45,9 @@ def dequantize_pages(
     """fp8 `entries [heads, *index.shape, dim]` (the entries at token indices `index`: a chunk, or those a DSA top-k
     picked), in `dtype`, with their pages' scales `[heads, pages]`."""
     pages = index.to(scales.device) // page_tokens
-    return (entries.to(torch.float32) * scales[:, pages, None].to(entries.device)).to(dtype)
+    # host-resident scales: a fresh (pageable) tensor, copied without a device sync
+    page_scales = scales[:, pages, None].to(entries.device, non_blocking=True)
+    return (entries.to(torch.float32) * page_scales).to(dtype)
 
 
 class Placement:
