@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # The GPU check, one command for a lent GPU machine (an H200 here), nothing installed, under 8 minutes in all:
 #   OUT=/path/to/results bash benchmarks/gpu_check.sh
-# 1. CUDA correctness (<= 120 s): tests/test_gpu.py (capture + score vs a full forward, exact gradients vs a full
+# 1. CUDA correctness (<= 40 s for the attention kernels' tests, then <= 120 s): tests/test_gpu.py (capture + score vs a full forward, exact gradients vs a full
 #    backward, state unmutated, pinned host state, rollouts vs generate, the fused CUDA attention kernels against
 #    plain torch, bf16 under autocast) for every family of the support table, and the MoE load-balancing loss's
-#    exact gradients (qwen3_moe, qwen3_5_moe, gpt_oss); then (<= 60 s, its own step so that a
+#    exact gradients (qwen3_moe, qwen3_5_moe, gpt_oss); then (<= 50 s, its own step so that a
 #    slow spawn cannot cost the rest) context parallelism with 2 ranks sharing the GPU over gloo (dense,
 #    GatedDeltaNet, MLA + DSA; rollouts) against one process. (NCCL needs a GPU per rank: not on a one-GPU machine.)
-# 2. The update sweep at GPU scale in bf16 (<= 160 s): the Qwen3.5/3.6-27B layer geometry at full width (preset
-#    hybrid-qwen35-gpu: 3 GatedDeltaNet + 1 full-attention layer), stock batched / stock serialized / LongStraw
-#    detach / exact, P up to 128K (the sweep writes each finished configuration, so a timeout keeps what ran).
-# 3. The long-prompt point in fp8 (<= 125 s): the same preset, prompt_state_dtype float8_e4m3fn, detach mode, P =
-#    128K, 256K, 512K, 1M, 2M while its 105 s budget allows (benchmarks/long_prompt_point.py: capture, score of
+# 2. The update sweep at GPU scale in bf16 (<= 130 s): the Qwen3.5/3.6-27B layer geometry at full width (preset
+#    hybrid-qwen35-gpu: 3 GatedDeltaNet + 1 full-attention layer), LongStraw detach / exact, stock serialized /
+#    batched, P up to 128K (the sweep writes each finished configuration, so a timeout keeps what ran).
+# 3. The long-prompt point in fp8 (<= 110 s): the same preset, prompt_state_dtype float8_e4m3fn, detach mode, P =
+#    128K, 256K, 512K, 1M, 2M while its 90 s budget allows (benchmarks/long_prompt_point.py: capture, score of
 #    G = 8 members, one replay of R = 512 with its backward; per-phase time and max_memory_allocated), TF32 on for
 #    the fp32 attention tiles.
 # Everything lands in $OUT (default benchmarks/results/gpu-h200): environment, test log and JUnit XML, the sweep's
@@ -20,42 +20,54 @@
 # The packages the lent machine's image lacks or has older (transformers, trl, peft, datasets, fla) travel as wheels:
 # `bash benchmarks/gpu_wheels.sh` here fills .whl/, the device call carries it, and this script installs them into
 # /tmp/site (beside the image's packages, nothing fetched). On the device tool:
-#   run(command="OUT=/tmp/gpu ARCHIVE=$OUT/gpu-h200.tgz bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=540)
+#   run(command="ARCHIVE=$OUT/gpu-h200.tgz OUT=/tmp/gpu bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=560)
+# (ARCHIVE first: there $OUT is still the device tool's folder). The archive is rewritten after every step and on
+# exit, so a run cut short still brings back what finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-benchmarks/results/gpu-h200}
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || exit 1
-    PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false
+archive() { [ -z "${ARCHIVE:-}" ] || tar czf "$ARCHIVE" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
+trap archive EXIT
+[ -d .whl ] || { echo "no .whl/: run 'bash benchmarks/gpu_wheels.sh' here first and carry .whl" | tee "$OUT/environment.txt"; exit 1; }
+"$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit 1
+PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+# TRITON_F32_DEFAULT=ieee: fla's and TRL's Triton kernels would take TF32 for fp32 inputs (torch's TF32 flags do not
+# reach them), and the correctness tests hold fp32 to 1e-4 and tighter
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" WANDB_MODE=disabled TOKENIZERS_PARALLELISM=false TRITON_F32_DEFAULT=ieee
 START=$SECONDS
 # SIGINT first: pytest still writes its summary and JUnit XML, a sweep its finished configurations
 run_for() { timeout -s INT -k 15 "$@"; }
 
 { nvidia-smi; "$PYTHON" -c "import torch, transformers, trl; print(torch.__version__, torch.version.cuda, transformers.__version__, trl.__version__)"; "$PYTHON" -m pip list 2>/dev/null | grep -i -E "^(accelerate|peft|datasets|pyarrow|huggingface.hub|tokenizers|triton) "; "$PYTHON" -c "import triton, fla; print('triton', triton.__version__, 'fla', fla.__version__)" || echo "no triton/fla: torch GatedDeltaNet fallback"; } > "$OUT/environment.txt" 2>&1
-"$PYTHON" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || exit 1
+"$PYTHON" -c "import torch, transformers, trl, datasets; assert torch.cuda.is_available(), 'no CUDA device'" \
+    >> "$OUT/environment.txt" 2>&1 || exit 1
 
-run_for 120 "$PYTHON" -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "not context_parallel" \
-    --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.txt" 2>&1
-echo "gpu tests exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/gpu-tests.txt"
-run_for 60 "$PYTHON" -m pytest tests/test_gpu.py -q -p no:cacheprovider -k context_parallel \
+# The attention kernels' tests first (seconds): fla's first GatedDeltaNet forward autotunes its kernels for a minute
+KERNELS="fused or sync or glm5 or autocast"
+run_for 40 "$PYTHON" -m pytest tests/test_gpu.py -q -p no:cacheprovider -k "$KERNELS" \
+    --junitxml="$OUT/gpu-kernel-tests.xml" > "$OUT/gpu-kernel-tests.txt" 2>&1
+echo "gpu kernel tests exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/gpu-kernel-tests.txt"; archive
+run_for 120 "$PYTHON" -m pytest tests/test_gpu.py -q -p no:cacheprovider --durations=25 \
+    -k "not context_parallel and not ($KERNELS)" --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.txt" 2>&1
+echo "gpu tests exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/gpu-tests.txt"; archive
+run_for 50 "$PYTHON" -m pytest tests/test_gpu.py -q -p no:cacheprovider -k context_parallel \
     --junitxml="$OUT/gpu-cp-tests.xml" > "$OUT/gpu-cp-tests.txt" 2>&1
-echo "gpu context-parallel tests exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/gpu-cp-tests.txt"
+echo "gpu context-parallel tests exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/gpu-cp-tests.txt"; archive
 
-run_for 160 "$PYTHON" benchmarks/sweep.py --model-preset hybrid-qwen35-gpu --device cuda --dtype bfloat16 \
-    --longstraw-ref worktree --modes stock-batched,stock-serialized,longstraw-detach,longstraw-exact \
+# LongStraw's modes first: each configuration is a fresh process (imports and a full-width model, ~20 s)
+run_for 130 "$PYTHON" benchmarks/sweep.py --model-preset hybrid-qwen35-gpu --device cuda --dtype bfloat16 \
+    --longstraw-ref worktree --modes longstraw-detach,longstraw-exact,stock-serialized,stock-batched \
     --prompt-lengths 8192,32768,131072 --group-sizes 8 --grid longstraw-detach:32768:2 --completion-length 512 \
     --prefill-chunk-size 16384 --attention-chunk-size 16384 --time-cap-s 45 --budget-gib 100 --threads 8 \
     --reference-p 32768 --out "$OUT" > "$OUT/sweep.log" 2>&1
-echo "sweep exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/sweep.log"
+echo "sweep exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/sweep.log"; archive
 
-run_for 125 "$PYTHON" benchmarks/long_prompt_point.py --preset hybrid-qwen35-gpu --device cuda --dtype bfloat16 \
+run_for 110 "$PYTHON" benchmarks/long_prompt_point.py --preset hybrid-qwen35-gpu --device cuda --dtype bfloat16 \
     --prompt-state-dtype float8_e4m3fn --prompt-lengths 131072,262144,524288,1048576,2097152 --group-size 8 \
-    --completion-length 512 --prefill-chunk-size 8192 --attention-chunk-size 8192 --allow-tf32 --budget-s 105 \
+    --completion-length 512 --prefill-chunk-size 8192 --attention-chunk-size 8192 --allow-tf32 --budget-s 90 \
     --out "$OUT/long_prompt.json" > "$OUT/long_prompt.log" 2>&1
 echo "long-prompt point exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/long_prompt.log"
-[ -n "${ARCHIVE:-}" ] && tar czf "$ARCHIVE" -C "$(dirname "$OUT")" "$(basename "$OUT")"
+exit 0  # the EXIT trap writes the archive

@@ -82,6 +82,7 @@ def check_family(family, mode, cp, device="cpu"):
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     prompt, completions, lengths, weights = case()
+    weights = weights.to(device)  # the engine moves its own inputs; these are the replays' incoming gradients
     reference = LongStrawEngine(8, 4, prompt_gradient=mode)
     sharded = ContextParallelEngine(8, 4, prompt_gradient=mode, context_parallel=cp)
     whole, want_scores, want_logps, want_grads = update(reference, model, prompt, completions, lengths, weights)
