@@ -132,7 +132,7 @@ def sees_every_key(q_positions: torch.Tensor, k_positions: torch.Tensor, visibil
 
 
 def visible_keys(
-    q_positions: torch.Tensor, k_positions: torch.Tensor, visibility: Visibility, device: torch.device | None = None
+    q_positions: torch.Tensor, k_positions: torch.Tensor, visibility: Visibility, device: torch.device
 ) -> torch.Tensor | None:
     """Boolean `[rows, keys]` visibility on `device` (causal by absolute position, windowed or chunked) of host
     positions, or None if all visible (`sees_every_key`): only a mask that is needed is built, on the device."""
@@ -141,9 +141,9 @@ def visible_keys(
     return visible_pairs(to_device(q_positions, device)[:, None], to_device(k_positions, device)[None, :], visibility)
 
 
-def to_device(positions: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+def to_device(positions: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host `positions` on `device`, without a device sync (a blocking host-to-device copy synchronises the stream)."""
-    return positions if device is None else positions.to(device, non_blocking=True)
+    return positions.to(device, non_blocking=True)
 
 
 def window_keeps_all(visibility: Visibility, first_key: int, last_query: int) -> bool:
