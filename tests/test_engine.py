@@ -25,6 +25,15 @@ def prepared(model):
     return model
 
 
+def reference_and_prepared(model):
+    """`(an eager copy of model, model prepared for LongStraw)`, both with TRL's fused LM head: the reference forward
+    and the model under test."""
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    add_fused_lm_head(eager, outputs=("log_probs", "entropy"))
+    return eager, prepared(model)
+
+
 def full_forward(model, prompt, completions, lengths, offset=0):
     """Stock path: one forward of prompt + completion per member, log-probs of the completion tokens."""
     rows = []
@@ -176,10 +185,7 @@ def test_chunked_attention_counts_its_chunks_from_the_first_prompt_token():
     """Llama 4's chunks start at the first real token (HF counts them past the left padding): a prompt at position 5
     keeps the 4 entries of its current chunk, and scores and replays as the model's own forward."""
     model = chunked_attention_model(chunk_size=8)
-    eager = copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
-    add_fused_lm_head(eager, outputs=("log_probs", "entropy"))
-    model = prepared(model)
+    eager, model = reference_and_prepared(model)
     prompt, completions, lengths = case(prompt_length=21)
     engine = LongStrawEngine(8, 4)
     with torch.no_grad():
@@ -303,10 +309,7 @@ def test_mla_absorption_keeps_a_kv_b_proj_bias(family, value_dim):
             biased.weight.copy_(dense.weight)
             biased.bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(layer.self_attn.layer_idx))
         layer.self_attn.kv_b_proj = biased
-    eager = copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
-    add_fused_lm_head(eager, outputs=("log_probs", "entropy"))
-    model = prepared(model)
+    eager, model = reference_and_prepared(model)
     prompt, completions, lengths = case(prompt_length=20)
     engine = LongStrawEngine(8, 4)
     with torch.no_grad():

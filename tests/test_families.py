@@ -7,8 +7,6 @@ Levels 3 and 4: `replay_and_backward` against stock `GRPOTrainer.compute_loss().
 the detached reference (detach mode): same loss, same gradients.
 """
 
-import copy
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -19,7 +17,7 @@ from trl_longstraw.engine import LongStrawEngine, prepare_model
 from trl_longstraw.state import ConvRecurrentState
 
 from .reference import AGAINST_THE_REFERENCE, assert_matches_the_reference, run_pair
-from .test_engine import case, full_forward
+from .test_engine import case, full_forward, reference_and_prepared
 
 # Recurrent families: the gradients of A_log / dt_bias (and Mamba's D) are tiny sums with heavy cancellation, which
 # two exact orderings of the same math disagree on far above rounding: compare them against 1e-3 of the global norm.
@@ -33,10 +31,7 @@ def with_fused_head(model):
 
 
 def eager_and_prepared(family, **overrides):
-    model = build_model(family, **overrides)
-    eager = copy.deepcopy(model)
-    eager.set_attn_implementation("eager")
-    return with_fused_head(eager), with_fused_head(prepare_model(model))
+    return reference_and_prepared(build_model(family, **overrides))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
