@@ -235,8 +235,7 @@ def test_collectives_pick_the_backend_device_once_and_keep_the_tensors_where_the
     the backend cannot take as it is (here: not contiguous) goes through a copy and comes back in place."""
     import torch.distributed as dist
 
-    from trl_longstraw import context_parallel
-    from trl_longstraw.context_parallel import ContextParallelGroup
+    from trl_longstraw.context_parallel import ContextParallelGroup, communication
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
@@ -249,9 +248,9 @@ def test_collectives_pick_the_backend_device_once_and_keep_the_tensors_where_the
     finally:
         dist.destroy_process_group()
     for backend in ("nccl", "cpu:gloo,cuda:nccl"):
-        monkeypatch.setattr(context_parallel.dist, "get_backend", lambda group=None, backend=backend: backend)
-        monkeypatch.setattr(context_parallel.torch.cuda, "current_device", lambda: 3)
-        assert context_parallel.communication_device() == torch.device("cuda", 3)
+        monkeypatch.setattr(communication.dist, "get_backend", lambda group=None, backend=backend: backend)
+        monkeypatch.setattr(communication.torch.cuda, "current_device", lambda: 3)
+        assert communication.communication_device() == torch.device("cuda", 3)
 
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

@@ -257,7 +257,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             if policy_or_ref is not None:
                 self.accelerator.unwrap_model(policy_or_ref).set_attn_implementation(ATTENTION_IMPLEMENTATION)
         state_device = None if args.prompt_state_device == "auto" else torch.device(args.prompt_state_device)
-        # Context parallelism (context_parallel.py): None, or this rank's CP group.
+        # Context parallelism (the context_parallel package): None, or this rank's CP group.
         self._context_parallel = (
             build_context_parallel_group(args.context_parallel_size) if args.context_parallel_size > 1 else None
         )

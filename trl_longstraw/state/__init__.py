@@ -2,7 +2,8 @@
 
 Each kind is one module and one registration (`register_state_kind`); the registry (`registry.py`) maps every
 decoder layer of a model to its kinds, the accounting reads the same kinds, and a model whose layers do not all map
-is refused naming the layer. Registration order below is the order kinds are tried.
+is refused naming the layer. The kinds are registered below, in `BUILT_IN_KINDS`'s order, which is the order
+`plan_layers` tries them (a kind registered later, by a user, is tried after these).
 
 | kind | module | layer types | keeps |
 | --- | --- | --- | --- |
@@ -14,7 +15,6 @@ is refused naming the layer. Registration order below is the order kinds are tri
 | `feed_forward` | `feed_forward.py` | `mlp`, `moe` (FFN-only layers) | nothing |
 """
 
-from . import attention, dsa, feed_forward, linear_attention, mamba, mla  # noqa: F401  (registers the kinds)
 from .attention import AttentionPages
 from .dsa import IndexerKeys
 from .feed_forward import FeedForwardOnly
@@ -33,7 +33,12 @@ from .registry import (
     register_state_kind,
 )
 
+BUILT_IN_KINDS = (AttentionPages, LatentPages, IndexerKeys, FeedForwardOnly, LinearAttentionState, Mamba2State)
+for _kind in BUILT_IN_KINDS:
+    register_state_kind(_kind)
+
 __all__ = [
+    "BUILT_IN_KINDS",
     "STATE_KINDS",
     "AttentionPages",
     "ConvRecurrentState",

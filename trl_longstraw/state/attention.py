@@ -17,9 +17,9 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..attention import KeyBlock, Visibility, attention_over_blocks
-from .placement import Pages
-from .registry import LayerAccount, LayerState, UnsupportedModelError, find_child, register_state_kind
+from ..attention import KeyBlock, Visibility
+from .placement import Pages, page_bytes
+from .registry import LayerAccount, LayerState, UnsupportedModelError, find_child
 
 ATTENTION_LAYER_TYPES = (None, "full_attention", "sliding_attention", "chunked_attention", "hybrid")
 
@@ -41,12 +41,13 @@ def sliding_window_of(mixer: nn.Module, config: PretrainedConfig, layer_type: st
     return window if window is not None else getattr(config, "sliding_window", None)
 
 
-@register_state_kind
 class AttentionPages(LayerState):
     """K/V pages of one softmax-attention layer. Written only during capture; read-only afterwards."""
 
     name = "attention"
     layer_types = ATTENTION_LAYER_TYPES
+    roles = frozenset({"attention"})
+    sharded_layer_types = (None, "full_attention", "sliding_attention", "hybrid")  # not Llama 4's chunked layers
     needs_attention_interface = True
 
     @classmethod
@@ -60,17 +61,22 @@ class AttentionPages(LayerState):
         return mixer
 
     @classmethod
-    def account(cls, mixer, config, layer_type, dtype_bytes, exact):
+    def account(cls, mixer, config, layer_type, dtype_bytes, exact, fp8_pages=False):
         head_dim = getattr(mixer, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        per_token = 2 * kv_heads * head_dim * dtype_bytes
         window = sliding_window_of(mixer, config, layer_type)
         chunk = getattr(config, "attention_chunk_size", None) if layer_type == "chunked_attention" else None
-        if exact or (window is None and chunk is None):
-            return LayerAccount("full_attention", per_token=per_token)
+        if exact or (window is None and chunk is None):  # K and V pages: 2 x kv_heads heads
+            per_token, per_page = page_bytes(2 * kv_heads, head_dim, dtype_bytes, fp8_pages and not exact)
+            return LayerAccount("full_attention", per_token=per_token, per_page=per_page)
+        per_token = 2 * kv_heads * head_dim * dtype_bytes  # a window's few entries stay in the model dtype
         if chunk is not None:
             return LayerAccount("chunked_attention", fixed=per_token * (chunk - 1))  # at most: the current chunk
         return LayerAccount("sliding_attention", fixed=per_token * (window - 1), window=window - 1)
+
+    @classmethod
+    def attention_heads(cls, mixer, config):
+        return getattr(mixer, "num_heads", None) or config.num_attention_heads
 
     def __init__(self, mixer, layer_idx, layer_type, prompt):
         super().__init__(mixer, layer_idx, layer_type, prompt)
@@ -90,48 +96,39 @@ class AttentionPages(LayerState):
         return 0 if self.key is None else self.key.length
 
     def visibility(self, sliding_window: int | None) -> Visibility:
-        return Visibility(sliding_window, self.chunk_size, self.prompt.start_position)
+        return Visibility(sliding_window, self.chunk_size, self.prompt.origin)
 
-    def attend(self, access, query, key, value, scaling, sliding_window, sinks=None, softcap=None, **_):
+    def attend(self, access, query, key, value, scaling, sliding_window=None, sinks=None, softcap=None, **_):
         """Attention of this forward's tokens over the prompt pages and over themselves (causal), as one softmax.
 
         `query [batch, heads, tokens, d]`, `key/value [batch, kv_heads, tokens, d]` are this forward's own tokens
         (decoding: preceded by the rows' earlier decoded tokens, kept in the access's suffix).
         """
         batch, kv_heads, tokens, _ = key.shape
-        positions = access.query_positions
         visibility = self.visibility(sliding_window)
-        # Pages hold every captured token (or the ones a window/chunk still sees): all are readable except while the
-        # exact recompute of a chunk reads only the pages before it.
-        limit = access.prefix_length if access.mode == "recompute" else self.length
-        blocks = []
-        if limit > 0:
-            page_positions = torch.arange(self.start_position, self.start_position + limit)
-            dequantize = self._dequantizer(query.dtype) if self.key.fp8 else None
-            blocks.append(
-                (
-                    self.key.read(limit),
-                    self.value.read(limit),
-                    KeyBlock(page_positions, shared=True, dequantize=dequantize),
-                )
-            )
         # Each batch row has its own suffix keys: one key set per (row, kv head).
         window = visibility.sliding_window
         own_keys = access.own_entries(self, "key", key.reshape(batch * kv_heads, tokens, -1), dim=1, window=window)
         own_values = access.own_entries(self, "value", value.reshape(batch * kv_heads, tokens, -1), 1, window)
-        blocks.append((own_keys, own_values, KeyBlock(access.own_positions(own_keys.shape[1]), shared=False)))
-        out = attention_over_blocks(
-            query,
-            blocks,
-            positions,
-            scaling,
-            visibility,
-            access.attention_chunk_size,
-            softcap=softcap,
-            sinks=sinks,
+        out = access.state.attention(
+            access, self, query, own_keys, own_values, scaling, visibility, softcap=softcap, sinks=sinks
         )
         self.keep(access, key, value, visibility=visibility)
         return out
+
+    def page_block(self, dtype, limit=None, indices=None):
+        # Pages hold every captured token (or the ones a window/chunk still sees).
+        limit = self.length if limit is None else limit
+        if limit == 0:
+            return (), ()
+        positions = torch.arange(self.start_position, self.start_position + limit)
+        dequantize = self._dequantizer(dtype) if self.key.fp8 else None
+        block = KeyBlock(positions, shared=True, dequantize=dequantize)
+        return (block,), (self.key.read(limit), self.value.read(limit))
+
+    def accumulate_page_gradients(self, d_keys, d_values):
+        self.key.accumulate_grad(d_keys)
+        self.value.accumulate_grad(d_values)
 
     def keep(self, access, key, value, sliding_window=None, visibility: Visibility | None = None, **_) -> None:
         """This forward's own entries: appended to the pages by a capture (a windowed layer keeps what later tokens

@@ -17,7 +17,7 @@ broken differently than one `topk` over everything (as between two chunkings). T
 of `[tokens, index_heads, attention_chunk_size]`, taken as fewer query rows against wider key blocks (up to
 `INDEXER_KEYS_PER_CALL`, or `attention_chunk_size` if larger), because each call reruns the indexer's query side.
 Under context parallelism each rank does this over its shard and the candidates are merged across ranks
-(`context_parallel.py`).
+(`context_parallel/state.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from torch.overrides import TorchFunctionMode
 
 from .mla import is_multi_head_latent_attention
 from .placement import Pages
-from .registry import LayerAccount, LayerState, register_state_kind
+from .prompt_state import StateAccess
+from .registry import LayerAccount, LayerState
 
 _TOPK = (torch.Tensor.topk, torch.topk)
 
@@ -107,7 +108,7 @@ _NO_TOPK = (
 
 class IndexerSelection(TorchFunctionMode):
     """Active during one indexer call of the model (entered and left by the indexer's forward hooks,
-    `prompt_state._add_selection_hooks`): its `topk` of the index scores of the forward's own keys becomes the top-k
+    `add_selection_hooks`): its `topk` of the index scores of the forward's own keys becomes the top-k
     over the prompt's keys and the own keys (`IndexerKeys.select`), in global key indices (the prompt's tokens first).
 
     It acts once, on the call's own scores only (`[batch, tokens, own keys]` of this call), and only while it is its
@@ -132,12 +133,13 @@ class IndexerSelection(TorchFunctionMode):
         return torch.return_types.topk((values, ids))
 
 
-@register_state_kind
 class IndexerKeys(LayerState):
     """`[1, tokens, index_head_dim]` DSA indexer keys of one index-computing layer."""
 
     name = "dsa_indexer"
     layer_types = (None, "full_attention", "sliding_attention", "indexed_attention")
+    roles = frozenset({"indexer"})
+    sharded_layer_types = layer_types
     differentiable = False
     extends_masks = True
 
@@ -149,12 +151,18 @@ class IndexerKeys(LayerState):
         return None
 
     @classmethod
-    def account(cls, mixer, config, layer_type, dtype_bytes, exact):
+    def account(cls, mixer, config, layer_type, dtype_bytes, exact, fp8_pages=False):
+        # in the model dtype under fp8 pages too: the keys decide a discrete selection
         return LayerAccount("dsa_indexer_keys", per_token=mixer.head_dim * dtype_bytes)
+
+    @classmethod
+    def index_heads(cls, mixer):
+        return mixer.n_heads
 
     def __init__(self, mixer, layer_idx, layer_type, prompt):
         super().__init__(mixer, layer_idx, layer_type, prompt)
         self.keys = Pages(prompt.placement, prompt.num_tokens)
+        add_selection_hooks(mixer)
 
     def tensors(self) -> list[torch.Tensor]:
         return self.keys.tensors()
@@ -176,7 +184,7 @@ class IndexerKeys(LayerState):
         `own_index`; `-1`: not counted here), finished by the state (`PromptState.finish_selection`)."""
         own_scores = own_scores.masked_fill(own_index < 0, float("-inf"))
         values, picked = own_scores.topk(min(k, own_scores.shape[-1]), dim=-1)
-        first = self.prompt.start_position - access.state.start_position  # global index of this process's page 0
+        first = self.prompt.offset  # global index of this process's page 0
         limit = access.state.local_prefix(access.prefix_length)
         best = self.prompt_candidates(call, (values, own_index[picked]), k, limit, access.attention_chunk_size, first)
         return access.state.finish_selection(best, k)
@@ -218,3 +226,58 @@ def _rows_of(call: dict, start: int, end: int) -> dict:
         "q_resid": call["q_resid"][:, start:end],
         "position_embeddings": (cos[:, start:end], sin[:, start:end]),
     }
+
+
+def add_selection_hooks(indexer: torch.nn.Module) -> None:
+    """Hook a DSA indexer once (idempotent) so that, in a forward carrying a `StateAccess` as its cache, its top-k
+    covers the prompt's keys (`IndexerSelection`); any other forward (stock generation, evaluation) runs untouched.
+    The hooks stay: an activation-checkpointed layer re-runs its indexer during the backward, with the same access."""
+    if getattr(indexer, "_longstraw_selection_hooks", False):
+        return
+    indexer.register_forward_pre_hook(_indexer_called, with_kwargs=True)
+    indexer.register_forward_hook(_indexer_returned, always_call=True)
+    indexer._longstraw_selection_hooks = True
+
+
+def _leave_interrupted_selection(module) -> None:
+    """A forward interrupted inside this indexer (a `KeyboardInterrupt` skips the hook that leaves the mode) left its
+    selection mode on the torch-function stack: inert (`IndexerSelection` lets every other call through), but every
+    torch call pays for it in Python. Leave it, if it is still on top (nothing entered since)."""
+    stale = getattr(module, "_longstraw_selection", None)
+    # torch has no public API that reads the torch-function mode stack (`torch.overrides` exposes entering and
+    # leaving a mode only), and leaving a mode that is not on top would pop another one: these two private calls
+    # are the only way to tell.
+    depth = torch._C._len_torch_function_stack()
+    if stale is not None and depth > 0 and torch._C._get_function_stack_at(depth - 1) is stale:
+        stale.__exit__(None, None, None)
+    module._longstraw_selection = None
+
+
+def _indexer_called(module, args, kwargs) -> None:
+    _leave_interrupted_selection(module)
+    call = indexer_call(module, args, kwargs)
+    access = call.get("cache")
+    if not isinstance(access, StateAccess) or access.output_unread(module.layer_idx):
+        return  # a forward without prompt state, or a selection only the skipped attention would apply
+    state, hidden = access.state, call["hidden_states"]
+    own = hidden.shape[1] + (access.suffix.length if access.suffix is not None else 0)
+    k = min(module.index_topk, access.prefix_length + own)  # as the indexer would over the prompt's and own keys
+    own_index = torch.arange(access.prefix_length, access.prefix_length + own, device=hidden.device)
+    selection = IndexerSelection(state.for_mixer(module), access, call, state.own_keys(access, own_index), k)
+    state.before_selection(module, access, call, k)
+    module._longstraw_selection = selection  # the call in flight (indexer calls do not nest)
+    selection.__enter__()
+
+
+def _indexer_returned(module, args, output) -> None:
+    selection = getattr(module, "_longstraw_selection", None)
+    if selection is None:  # a forward without prompt state
+        return
+    selection.__exit__(None, None, None)
+    module._longstraw_selection = None
+    if not selection.selected:
+        raise RuntimeError(
+            f"The DSA indexer of layer {module.layer_idx} ({type(module).__name__}) returned without a torch.topk of "
+            "its index scores, which LongStraw extends over the prompt's keys: this transformers version's indexer "
+            "is not supported."
+        )

@@ -6,23 +6,24 @@ keeps the support rule simple: every decoder layer maps to a registered kind.
 
 from __future__ import annotations
 
-from .registry import LayerAccount, LayerState, register_state_kind
+from .registry import LayerState
 
 
-@register_state_kind
 class FeedForwardOnly(LayerState):
     """A decoder layer that is only a (dense or MoE) feed-forward block."""
 
     name = "feed_forward"
     layer_types = ("mlp", "moe")
+    roles = frozenset()  # nothing of a forward reaches it
+    sharded_layer_types = layer_types
 
     @classmethod
     def find_mixer(cls, layer, layer_type):
         return layer
 
     @classmethod
-    def account(cls, mixer, config, layer_type, dtype_bytes, exact):
-        return LayerAccount("feed_forward")
+    def account(cls, mixer, config, layer_type, dtype_bytes, exact, fp8_pages=False):
+        return None
 
     def tensors(self):
         return []

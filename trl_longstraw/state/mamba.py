@@ -10,27 +10,31 @@ accounts for it.
 
 from __future__ import annotations
 
-from .recurrent import FP32_BYTES, ConvRecurrentState
-from .registry import LayerAccount, find_child, register_state_kind
+from .recurrent import FP32_BYTES, ConvRecurrentState, chunk_kernel_bytes
+from .registry import LayerAccount, find_child
 
 
 def is_mamba2(module) -> bool:
     return all(hasattr(module, name) for name in ("A_log", "D", "conv1d", "ssm_state_size", "num_heads", "head_dim"))
 
 
-@register_state_kind
 class Mamba2State(ConvRecurrentState):
     """Conv and SSM state of one Mamba2 mixer."""
 
     name = "mamba2"
     layer_types = ("linear_attention", "hybrid", None)
+    sharded_layer_types = layer_types
 
     @classmethod
     def find_mixer(cls, layer, layer_type):
         return find_child(layer, is_mamba2)
 
     @classmethod
-    def account(cls, mixer, config, layer_type, dtype_bytes, exact):
+    def account(cls, mixer, config, layer_type, dtype_bytes, exact, fp8_pages=False):
         ssm = mixer.num_heads * mixer.head_dim * mixer.ssm_state_size * FP32_BYTES
         conv = mixer.conv_dim * (mixer.conv_kernel_size - 1) * dtype_bytes
         return LayerAccount("mamba2", fixed=ssm + conv, per_chunk=exact)  # exact: one per chunk boundary
+
+    @classmethod
+    def replay_saved_bytes(cls, mixer):
+        return chunk_kernel_bytes(mixer.num_heads, mixer.ssm_state_size, mixer.head_dim, mixer.chunk_size)

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import CAUSAL, KeyBlock, attention_over_blocks
-from .placement import Pages
-from .registry import LayerAccount, LayerState, find_child, register_state_kind
+from ..attention import CAUSAL, KeyBlock
+from .placement import Pages, page_bytes
+from .registry import LayerAccount, LayerState, find_child
 
 
 def is_multi_head_latent_attention(module) -> bool:
@@ -64,12 +64,13 @@ def absorb(module, query: torch.Tensor):
     return absorbed, values
 
 
-@register_state_kind
 class LatentPages(LayerState):
     """`[1, tokens, kv_lora_rank + qk_rope_head_dim]` latent pages of one MLA layer. Read-only after capture."""
 
     name = "mla_latent"
     layer_types = (None, "full_attention", "sliding_attention", "indexed_attention")
+    roles = frozenset({"attention"})
+    sharded_layer_types = layer_types
     needs_attention_interface = True
 
     @classmethod
@@ -77,8 +78,14 @@ class LatentPages(LayerState):
         return find_child(layer, is_multi_head_latent_attention)
 
     @classmethod
-    def account(cls, mixer, config, layer_type, dtype_bytes, exact):
-        return LayerAccount("mla_latent", per_token=(mixer.kv_lora_rank + mixer.qk_rope_head_dim) * dtype_bytes)
+    def account(cls, mixer, config, layer_type, dtype_bytes, exact, fp8_pages=False):
+        dim = mixer.kv_lora_rank + mixer.qk_rope_head_dim  # one page tensor: one "head"
+        per_token, per_page = page_bytes(1, dim, dtype_bytes, fp8_pages and not exact)
+        return LayerAccount("mla_latent", per_token=per_token, per_page=per_page)
+
+    @classmethod
+    def attention_heads(cls, mixer, config):
+        return getattr(mixer, "num_heads", None) or config.num_attention_heads
 
     def __init__(self, mixer, layer_idx, layer_type, prompt):
         super().__init__(mixer, layer_idx, layer_type, prompt)
@@ -91,22 +98,29 @@ class LatentPages(LayerState):
         """Absorbed MLA of this forward's tokens over the latent pages and over themselves, as one softmax."""
         module = self.mixer
         own_keys = access.own_entries(self, "latent", self.own_latents(access), dim=1)  # decoding: earlier ones first
-        rank = module.kv_lora_rank
         absorbed, values = absorb(module, query)
-        positions = access.query_positions
-        prefix = access.prefix_length
-        blocks = []
-        pages = self.pages.read(prefix)
-        if prefix > 0 and pages is not None:
-            page_positions = torch.arange(self.prompt.start_position, self.prompt.start_position + prefix)
-            block = KeyBlock(page_positions, shared=True, picked=indices, dequantize=self.dequantizer(query.dtype))
-            blocks.append((pages, pages[..., :rank], block))
-        picked = None if indices is None else indices.long() - prefix
-        own_positions = access.own_positions(own_keys.shape[1])
-        blocks.append((own_keys, own_keys[..., :rank], KeyBlock(own_positions, shared=False, picked=picked)))
-        out = attention_over_blocks(absorbed, blocks, positions, scaling, CAUSAL, access.attention_chunk_size)
+        own_values = own_keys[..., : module.kv_lora_rank]
+        out = access.state.attention(access, self, absorbed, own_keys, own_values, scaling, CAUSAL, indices=indices)
         self.keep(access, key, value, latents=own_keys)
         return values(out)
+
+    def page_block(self, dtype, limit=None, indices=None):
+        limit = self.pages.length if limit is None else limit
+        if limit == 0:
+            return (), ()
+        positions = torch.arange(self.prompt.start_position, self.prompt.start_position + limit)
+        picked = None if indices is None else indices.long() - self.prompt.offset  # global -> this process's pages
+        block = KeyBlock(positions, shared=True, picked=picked, dequantize=self.dequantizer(dtype))
+        data = self.pages.read(limit)
+        return (block,), (data, data[..., : self.mixer.kv_lora_rank])  # the values are the latents' first columns
+
+    def visibility(self, sliding_window):
+        return CAUSAL
+
+    def accumulate_page_gradients(self, d_keys, d_values):
+        self.pages.accumulate_grad(d_keys)
+        if d_values is not None:  # None: a DSA block gave the values' gradient inside the keys' (`blocks_backward`)
+            self.pages.accumulate_grad(d_values)
 
     def own_latents(self, access) -> torch.Tensor:
         """`[batch, tokens, rank + rope]`: the latents and rope keys this forward's layer handed to the cache."""

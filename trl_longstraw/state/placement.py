@@ -25,6 +25,15 @@ from ..attention import stage
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
 FP8_PAGE_TOKENS = 64
+FP32_BYTES = 4
+
+
+def page_bytes(heads: int, dim: int, dtype_bytes: int, fp8: bool) -> tuple[int, int]:
+    """`(bytes per token, bytes per page of FP8_PAGE_TOKENS tokens)` of `[heads, tokens, dim]` pages: `dtype_bytes`
+    per value, or fp8's one byte per value and one fp32 scale per (page, head)."""
+    if fp8:
+        return heads * dim, FP32_BYTES * heads
+    return heads * dim * dtype_bytes, 0
 
 
 def quantize_pages(values: torch.Tensor, page_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,3 +172,10 @@ class Pages:
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.data, self.scales) if t is not None]
+
+    def accumulate_grad(self, grad: torch.Tensor) -> None:
+        """Add `grad [heads, entries, columns]` (the first entries and columns of the pages) to the pages' `.grad`,
+        as autograd would for a leaf: a gradient computed outside the leaf's own graph (another rank's query)."""
+        if self.data.grad is None:
+            self.data.grad = torch.zeros_like(self.data)
+        self.data.grad[:, : grad.shape[1], : grad.shape[-1]] += grad.to(self.data.grad.dtype)

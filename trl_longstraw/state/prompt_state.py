@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from transformers.cache_utils import Cache
 
-from .dsa import IndexerKeys, IndexerSelection, indexer_call
+from ..attention import KeyBlock, Visibility, attention_over_blocks
 from .placement import Placement
-from .recurrent import ConvRecurrentState
 from .registry import LayerPlan, LayerState, PromptGeometry, UnsupportedModelError
 from .suffix import Suffix
 
@@ -36,7 +35,8 @@ class PromptState:
     """The durable state of one group's prompt, captured once and read by every member's replay.
 
     `num_tokens` prompt tokens were captured (all but the last prompt token, which starts every replay), at absolute
-    positions `start_position ... start_position + num_tokens - 1`.
+    positions `start_position ... start_position + num_tokens - 1`. `prompt_start`: the whole prompt's first position
+    when this state holds a shard of it (context parallelism).
     """
 
     def __init__(
@@ -48,22 +48,20 @@ class PromptState:
         weights_version: tuple[int, int],
         exact: bool,
         fp8_pages: bool = False,
+        prompt_start: int | None = None,
     ):
         if exact and fp8_pages:
             raise ValueError(
                 "fp8 prompt-state pages with the exact prompt gradient: the state's gradient is accumulated on its "
                 "tensors, which fp8 cannot hold. Use prompt_state_dtype='auto' with prompt_gradient='exact'."
             )
-        self.geometry = PromptGeometry(num_tokens, start_position, Placement(device), exact, fp8_pages)
+        self.geometry = PromptGeometry(num_tokens, start_position, Placement(device), exact, fp8_pages, prompt_start)
         self.weights_version = weights_version
         self.layers: list[LayerState] = [
             kind(mixer, plan.layer_idx, plan.layer_type, self.geometry) for plan in plans for kind, mixer in plan.kinds
         ]
         self.final_layer_idx = plans[-1].layer_idx
         self._by_mixer = {id(layer.mixer): layer for layer in self.layers}
-        for layer in self.layers:
-            if isinstance(layer, IndexerKeys):
-                _add_selection_hooks(layer.mixer)
         self.extends_masks = any(type(layer).extends_masks for layer in self.layers)
         # A MoE policy trained with the load-balancing loss: the captured tokens' routing sums (load_balancing.py), set
         # to zero sums by a capture that records them.
@@ -111,14 +109,42 @@ class PromptState:
             )
         return layer
 
-    def of_layer(self, layer_idx: int, kind: type[LayerState]) -> LayerState:
+    def of_layer(self, layer_idx: int, role: str) -> LayerState:
+        """The state of layer `layer_idx` that serves `role` (`registry.ROLES`): the Cache API call the layer made."""
         for layer in self.layers:
-            if layer.layer_idx == layer_idx and isinstance(layer, kind):
+            if layer.layer_idx == layer_idx and role in type(layer).roles:
                 return layer
         raise UnpreparedModelError(
-            f"Layer {layer_idx} asked for a {kind.__name__} state, which its layer plan does not have: the model's "
-            "layer types and its modules disagree."
+            f"Layer {layer_idx} made a {role!r} call of the Cache API, which no state kind of its layer plan serves: "
+            "the model's layer types and its modules disagree."
         )
+
+    def attention(
+        self,
+        access: StateAccess,
+        layer: LayerState,
+        query: torch.Tensor,
+        own_keys: torch.Tensor,
+        own_values: torch.Tensor,
+        scaling: float,
+        visibility: Visibility,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
+        indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`query [batch, heads, tokens, d]` over `layer`'s pages (`LayerState.page_block`) and this forward's own
+        entries `own_keys/own_values [batch * key groups, entries, d]` (the last ones at the forward's positions), as
+        one softmax; DSA `indices` (global key indices: the prompt's tokens, then the own entries) restrict both.
+        Every captured page is read, except while the exact recompute of a chunk reads only the pages before it."""
+        limit = self.local_prefix(access.prefix_length) if access.mode == "recompute" else None
+        page_blocks, page_tensors = layer.page_block(query.dtype, limit, indices)
+        blocks = [(*page_tensors[2 * i : 2 * i + 2], block) for i, block in enumerate(page_blocks)]
+        own_picked = None if indices is None else indices.long() - access.prefix_length
+        own = KeyBlock(access.own_positions(own_keys.shape[1]), shared=False, picked=own_picked)
+        blocks.append((own_keys, own_values, own))
+        chunk_size = access.attention_chunk_size
+        positions = access.query_positions
+        return attention_over_blocks(query, blocks, positions, scaling, visibility, chunk_size, softcap, sinks)
 
     def tensors(self) -> list[torch.Tensor]:
         return [tensor for layer in self.layers for tensor in layer.tensors()]
@@ -158,58 +184,6 @@ class PromptState:
                 for tensor in layer.tensors():
                     tensor.requires_grad_(True)
         return self
-
-
-def _add_selection_hooks(indexer: torch.nn.Module) -> None:
-    """Hook a DSA indexer once (idempotent) so that, in a forward carrying a `StateAccess` as its cache, its top-k
-    covers the prompt's keys (`IndexerSelection`); any other forward (stock generation, evaluation) runs untouched.
-    The hooks stay: an activation-checkpointed layer re-runs its indexer during the backward, with the same access."""
-    if getattr(indexer, "_longstraw_selection_hooks", False):
-        return
-    indexer.register_forward_pre_hook(_indexer_called, with_kwargs=True)
-    indexer.register_forward_hook(_indexer_returned, always_call=True)
-    indexer._longstraw_selection_hooks = True
-
-
-def _leave_interrupted_selection(module) -> None:
-    """A forward interrupted inside this indexer (a `KeyboardInterrupt` skips the hook that leaves the mode) left its
-    selection mode on the torch-function stack: inert (`IndexerSelection` lets every other call through), but every
-    torch call pays for it in Python. Leave it, if it is still on top (nothing entered since)."""
-    stale = getattr(module, "_longstraw_selection", None)
-    depth = torch._C._len_torch_function_stack()
-    if stale is not None and depth > 0 and torch._C._get_function_stack_at(depth - 1) is stale:
-        stale.__exit__(None, None, None)
-    module._longstraw_selection = None
-
-
-def _indexer_called(module, args, kwargs) -> None:
-    _leave_interrupted_selection(module)
-    call = indexer_call(module, args, kwargs)
-    access = call.get("cache")
-    if not isinstance(access, StateAccess) or access.output_unread(module.layer_idx):
-        return  # a forward without prompt state, or a selection only the skipped attention would apply
-    state, hidden = access.state, call["hidden_states"]
-    own = hidden.shape[1] + (access.suffix.length if access.suffix is not None else 0)
-    k = min(module.index_topk, access.prefix_length + own)  # as the indexer would over the prompt's and own keys
-    own_index = torch.arange(access.prefix_length, access.prefix_length + own, device=hidden.device)
-    selection = IndexerSelection(state.for_mixer(module), access, call, state.own_keys(access, own_index), k)
-    state.before_selection(module, access, call, k)
-    module._longstraw_selection = selection  # the call in flight (indexer calls do not nest)
-    selection.__enter__()
-
-
-def _indexer_returned(module, args, output) -> None:
-    selection = getattr(module, "_longstraw_selection", None)
-    if selection is None:  # a forward without prompt state
-        return
-    selection.__exit__(None, None, None)
-    module._longstraw_selection = None
-    if not selection.selected:
-        raise RuntimeError(
-            f"The DSA indexer of layer {module.layer_idx} ({type(module).__name__}) returned without a torch.topk of "
-            "its index scores, which LongStraw extends over the prompt's keys: this transformers version's indexer "
-            "is not supported."
-        )
 
 
 class StateAccess(Cache):
@@ -324,27 +298,25 @@ class StateAccess(Cache):
         return query_length + self.get_seq_length(layer_idx), 0
 
     def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        return self.state.of_layer(layer_idx, IndexerKeys).extend(self, indexer_key_states)
+        return self.state.of_layer(layer_idx, "indexer").extend(self, indexer_key_states)
 
     # -- Cache API: recurrent layers (GatedDeltaNet, Mamba2) -----------------------------------------------------------
-    def _recurrent(self, layer_idx: int) -> ConvRecurrentState:
-        return self.state.of_layer(layer_idx, ConvRecurrentState)
 
     def is_recording_past(self, layer_idx: int) -> bool:
         # Never take the single-token decode path: it updates the conv state in place.
         return True
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return self._recurrent(layer_idx).conv_state(self)
+        return self.state.of_layer(layer_idx, "conv").conv_state(self)
 
     def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, conv_kernel_size=None, **kwargs):
-        return self._recurrent(layer_idx).continue_conv(self, conv_states, conv_kernel_size)
+        return self.state.of_layer(layer_idx, "conv").continue_conv(self, conv_states, conv_kernel_size)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return self._recurrent(layer_idx).recurrent_state(self, self.forward_batch_size)
+        return self.state.of_layer(layer_idx, "recurrent").recurrent_state(self, self.forward_batch_size)
 
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
-        layer = self._recurrent(layer_idx)
+        layer = self.state.of_layer(layer_idx, "recurrent")
         self.visit(layer.mixer)
         layer.finish_recurrent(self, recurrent_states)
         return recurrent_states

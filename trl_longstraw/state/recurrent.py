@@ -20,6 +20,21 @@ import torch.nn.functional as F
 from .registry import LayerState
 
 FP32_BYTES = 4
+# What the chunked kernels (transformers' torch fallbacks of GatedDeltaNet and Mamba2) save for backward in fp32, per
+# token and head: about 8 x chunk + 12 x (key dim + value dim) + 2 x key dim x value dim / chunk elements (calibrated
+# on the fallbacks; fla / mamba-ssm kernels recompute most of this and keep less).
+CHUNK_KERNEL_TERMS = (8, 12, 2)
+
+
+def chunk_kernel_bytes(heads: int, key_dim: int, value_dim: int, chunk: int) -> int:
+    """fp32 bytes per replayed token a chunked recurrent kernel saves for backward (`CHUNK_KERNEL_TERMS`)."""
+    per_chunk, per_dim, per_state = CHUNK_KERNEL_TERMS
+    elements = heads * (
+        per_chunk * chunk + per_dim * (key_dim + value_dim) + -(-per_state * key_dim * value_dim // chunk)
+    )
+    return elements * FP32_BYTES
+
+
 SLOTS = ("conv", "recurrent")
 
 
@@ -29,6 +44,8 @@ class ConvRecurrentState(LayerState):
     Subclasses only recognise their mixer and account for it.
     """
 
+    roles = frozenset({"conv", "recurrent"})
+
     def __init__(self, mixer, layer_idx, layer_type, prompt):
         super().__init__(mixer, layer_idx, layer_type, prompt)
         self.conv: list[torch.Tensor] = []  # [1, conv_dim, kernel - 1] after each capture chunk (or only the last)
@@ -36,6 +53,9 @@ class ConvRecurrentState(LayerState):
 
     def tensors(self) -> list[torch.Tensor]:
         return self.conv + self.recurrent
+
+    def chunk_states(self) -> list[list[torch.Tensor]]:
+        return [self.conv, self.recurrent]
 
     def _before(self, states: list[torch.Tensor], access, slot: int) -> torch.Tensor | None:
         if access.mode == "decode" and (current := access.suffix.state(self, SLOTS[slot])) is not None:

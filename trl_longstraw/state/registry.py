@@ -18,6 +18,7 @@ routes through transformers' `AttentionInterface`; [`plan_layers`] says which la
 
 from __future__ import annotations
 
+import abc
 import functools
 import inspect
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from .placement import Placement
+from .placement import FP8_PAGE_TOKENS, Placement
 
 
 class UnsupportedModelError(ValueError):
@@ -36,7 +37,8 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class LayerAccount:
-    """Bytes one layer keeps for a kind: `per_token` for each captured prompt token plus `fixed`.
+    """Bytes one layer keeps for a kind: `per_token` for each captured prompt token, `per_page` for each page of
+    `FP8_PAGE_TOKENS` tokens (fp8 pages' scales), plus `fixed`.
 
     `window`: `fixed` is the entries of this many tokens (a rolling window), of which a shorter prompt keeps fewer.
     `per_chunk`: `fixed` is kept once per capture chunk of `chunk_size` tokens (the exact prompt gradient's recurrent
@@ -48,42 +50,98 @@ class LayerAccount:
     fixed: int = 0
     window: int | None = None
     per_chunk: bool = False
+    per_page: int = 0
 
     def bytes(self, num_tokens: int, chunk_size: int | None = None) -> int:
         fixed = self.fixed if self.window is None else self.fixed * min(num_tokens, self.window) // self.window
         if self.per_chunk and chunk_size:
             fixed *= max(1, -(-num_tokens // chunk_size))
-        return self.per_token * num_tokens + fixed
+        return self.per_token * num_tokens + self.per_page * -(-num_tokens // FP8_PAGE_TOKENS) + fixed
 
 
-class LayerState:
-    """The durable prompt state of one token mixer of one layer. Subclass it, then `register_state_kind` it.
+class LayerState(abc.ABC):
+    """The durable prompt state of one token mixer of one layer: the protocol every state kind implements.
 
-    Class attributes: `name` (the registry key), `layer_types` (the `config.layer_types` entries it serves, in
-    transformers' vocabulary; `None` in the tuple means a config without layer types), `differentiable` (exact mode
-    makes its tensors autograd leaves), `needs_attention_interface` (its mixer must call the registered attention
-    function), `extends_masks` (forwards must present the forward's own entries, a decoding row's earlier ones
-    included, to the model's masks: DSA's indexer scores its queries against its own keys through them).
+    Subclass it, then `register_state_kind` it; registration refuses a kind that leaves a duty out (an abstract
+    method, an undeclared class attribute, or a method of a role it declares), so a new kind learns its duties from
+    this class, not from a crash. Every duty is declared here, with the shapes it takes and returns; nothing outside
+    `state/` branches on a kind.
+
+    Class attributes (declared by every kind):
+        name (`str`): the registry key.
+        layer_types (`tuple[str | None, ...]`): the `config.layer_types` entries it serves, in transformers'
+            vocabulary; `None` in the tuple means a config without layer types.
+        roles (`frozenset[str]`): which calls of a forward reach it, each a set of methods it must implement
+            (`ROLES`): `"attention"` (the registered attention function, through `StateAccess.attend`), `"conv"` and
+            `"recurrent"` (the Cache API of linear-attention mixers: `get/update_conv_state`,
+            `get/update_recurrent_state`), `"indexer"` (the Cache API's `update_indexer` and the DSA top-k). Empty:
+            nothing reaches it (a layer without a token mixer).
+        sharded_layer_types (`tuple[str | None, ...]`): the layer types context parallelism shards for this kind;
+            empty: the kind is refused under context parallelism.
+
+    Optional class attributes: `differentiable` (exact mode makes its tensors autograd leaves),
+    `needs_attention_interface` (its mixer must call the registered attention function), `extends_masks` (forwards
+    must present the forward's own entries, a decoding row's earlier ones included, to the model's masks: DSA's
+    indexer scores its queries against its own keys through them).
     """
 
     name: ClassVar[str]
     layer_types: ClassVar[tuple[str | None, ...]]
+    roles: ClassVar[frozenset[str]]
+    sharded_layer_types: ClassVar[tuple[str | None, ...]]
     differentiable: ClassVar[bool] = True
     needs_attention_interface: ClassVar[bool] = False
     extends_masks: ClassVar[bool] = False
 
     # -- recognition and accounting (class level: they need a module, not a captured state) --------------------------
     @classmethod
+    @abc.abstractmethod
     def find_mixer(cls, layer: nn.Module, layer_type: str | None) -> nn.Module | None:
-        """The token-mixer module of decoder `layer` whose state this kind keeps, or None if it has none."""
-        raise NotImplementedError
+        """The token-mixer module of decoder `layer` whose state this kind keeps, or None if it has none.
+
+        Args:
+            layer (`nn.Module`): one decoder layer of the model.
+            layer_type (`str` or `None`): its `config.layer_types` entry (None: the config has none).
+        """
 
     @classmethod
+    @abc.abstractmethod
     def account(
-        cls, mixer: nn.Module, config: PretrainedConfig, layer_type: str | None, dtype_bytes: int, exact: bool
-    ) -> LayerAccount:
-        """What this kind keeps for `mixer`: bytes per captured prompt token and fixed bytes."""
-        raise NotImplementedError
+        cls,
+        mixer: nn.Module,
+        config: PretrainedConfig,
+        layer_type: str | None,
+        dtype_bytes: int,
+        exact: bool,
+        fp8_pages: bool = False,
+    ) -> LayerAccount | None:
+        """What a capture keeps for `mixer`, as it allocates it; None: nothing.
+
+        Args:
+            mixer (`nn.Module`): the module `find_mixer` returned (on the meta device when accounting a config).
+            config (`PretrainedConfig`): the decoder's text config.
+            layer_type (`str` or `None`): the layer's `config.layer_types` entry.
+            dtype_bytes (`int`): bytes per value of the model's activation dtype (2 for bf16).
+            exact (`bool`): the exact prompt gradient's state (every entry, every chunk boundary).
+            fp8_pages (`bool`): `prompt_state_dtype="float8_e4m3fn"` (detach mode): per-token pages in fp8 with
+                their scales (`placement.page_bytes`), where the kind keeps them so.
+        """
+
+    @classmethod
+    def attention_heads(cls, mixer: nn.Module, config: PretrainedConfig) -> int:
+        """Query heads of this kind's attention over the prompt state (the accounting's score tiles); 0: none."""
+        return 0
+
+    @classmethod
+    def index_heads(cls, mixer: nn.Module) -> int:
+        """Heads of a DSA indexer scoring the prompt's keys (the accounting's indexer scores); 0: none."""
+        return 0
+
+    @classmethod
+    def replay_saved_bytes(cls, mixer: nn.Module) -> int:
+        """Bytes per replayed token that this kind's own kernels save for backward beyond the linear maps' inputs and
+        outputs (the chunked recurrent kernels' fp32 chunk matrices); 0 by default."""
+        return 0
 
     # -- one captured state ------------------------------------------------------------------------------------------
     def __init__(self, mixer: nn.Module, layer_idx: int, layer_type: str | None, prompt: PromptGeometry):
@@ -97,35 +155,167 @@ class LayerState:
         """Where this layer computes (its mixer's weights): its own device when `device_map` splits the model."""
         return next(self.mixer.parameters()).device
 
+    @abc.abstractmethod
     def tensors(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        """Every tensor this state holds (its bytes, its finiteness, exact mode's autograd leaves)."""
 
     def captured(self) -> bool:
         """Whether the capture wrote this state (the prepared-model guard: a mixer that bypassed LongStraw did not)."""
         return bool(self.tensors())
 
     def recompute_pairs(self, recorded, chunk_index: int, start: int, end: int) -> list[tuple[torch.Tensor, ...]]:
-        """Exact mode: (recomputed tensor, gradient accumulated on the matching state leaf) for prompt chunk
-        `[start, end)` (capture chunk `chunk_index`), from what the recompute forward `recorded` for this state."""
+        """Exact mode: (recomputed tensor, gradient accumulated on the matching state leaf) pairs for prompt chunk
+        `[start, end)` (capture chunk `chunk_index`), from what the recompute forward `recorded` for this state
+        (`StateAccess.recorded[self]`). None by default: a kind that records nothing has no gradient to push."""
         return []
+
+    def chunk_states(self) -> list[list[torch.Tensor]]:
+        """The states a later prompt chunk starts from, one list per state, with one entry per capture-chunk boundary
+        (the last entry: after the whole captured prompt). Context parallelism carries them across shards: the next
+        shard starts from the last entry, the exact-mode gradient of a shard's first entry goes back to the previous
+        shard's last. None for a kind whose later tokens read per-token entries (pages) instead."""
+        return []
+
+    # -- role "attention": reached through the registered attention function ---------------------------------------
+    def attend(self, access, query, key, value, scaling: float, **features) -> torch.Tensor:
+        """Attention of this forward's tokens over the prompt state and over themselves, as one softmax, keeping this
+        forward's own entries as the access's mode says (`keep`).
+
+        Args:
+            access (`StateAccess`): the forward's access (mode, positions, the rows' suffix when decoding).
+            query (`torch.Tensor` of shape `[batch, heads, tokens, d]`): this forward's queries.
+            key, value (`torch.Tensor` of shape `[batch, kv_heads, tokens, d]`): this forward's own keys and values,
+                as the layer hands them to the attention function.
+            scaling (`float`): the softmax scale.
+            features: the attention call's keyword features (`sliding_window`, `sinks`, `softcap`, DSA `indices`).
+
+        Returns:
+            `torch.Tensor` of shape `[batch, heads, tokens, dv]`.
+        """
+        raise NotImplementedError
+
+    def keep(self, access, key, value, **features) -> None:
+        """This forward's own entries (`key`, `value` as `attend` takes them): appended to the state by a capture,
+        recorded with their graph in `access.recorded` by an exact-mode recompute, nothing otherwise."""
+        raise NotImplementedError
+
+    def page_block(self, dtype: torch.dtype, limit: int | None = None, indices: torch.Tensor | None = None):
+        """This process's pages as key blocks of `attention.blocks_forward`: `(blocks, tensors)`, `tensors` the
+        `(keys, values)` of each block, or `((), ())` where there is none.
+
+        Args:
+            dtype (`torch.dtype`): the dtype attention reads them in (fp8 pages are dequantised to it).
+            limit (`int`, *optional*): only the first `limit` entries (all by default).
+            indices (`torch.Tensor` of shape `[batch, tokens, top_k]`, *optional*): a DSA selection in global key
+                indices (the captured prompt's tokens first): only the keys it picks.
+        """
+        raise NotImplementedError
+
+    def visibility(self, sliding_window: int | None):
+        """The `attention.Visibility` of this layer's keys for a call with `sliding_window` (chunks counted from the
+        whole prompt's first position)."""
+        raise NotImplementedError
+
+    def accumulate_page_gradients(self, d_keys: torch.Tensor, d_values: torch.Tensor | None) -> None:
+        """Add the gradients of `page_block`'s keys and values (their first entries) to the page leaves (exact mode,
+        context parallelism: another rank's recompute reached these pages). `d_values` None: given inside
+        `d_keys` (values that are a view of the keys)."""
+        raise NotImplementedError
+
+    # -- roles "conv" and "recurrent": the Cache API of linear-attention mixers ----------------------------------
+    def conv_state(self, access) -> torch.Tensor | None:
+        """`[batch or 1, conv_dim, kernel - 1]`: the conv inputs before this forward's tokens, or None (a zero state)."""
+        raise NotImplementedError
+
+    def continue_conv(self, access, inputs: torch.Tensor, kernel_size: int) -> torch.Tensor:
+        """`inputs [batch, conv_dim, T]` preceded by the conv state (out of place); records the new state."""
+        raise NotImplementedError
+
+    def recurrent_state(self, access, batch_size: int) -> torch.Tensor | None:
+        """`[batch_size, ...]`: the recurrent state before this forward's tokens, or None (a zero state)."""
+        raise NotImplementedError
+
+    def finish_recurrent(self, access, state: torch.Tensor) -> None:
+        """Record the recurrent `state` after this forward's tokens, as the access's mode says."""
+        raise NotImplementedError
+
+    # -- role "indexer": the Cache API's update_indexer and the DSA top-k over the prompt ----------------------------
+    def extend(self, access, keys: torch.Tensor) -> torch.Tensor:
+        """The indexer keys `[batch, tokens, dim]` the model's indexer scores in this forward: its own (decoding:
+        after the rows' earlier ones), never the prompt's; a capture also keeps them."""
+        raise NotImplementedError
+
+    def prompt_candidates(self, call: dict, best, k: int, limit: int, block: int, first: int):
+        """`best` (or nothing) merged with the top-`k` `(scores, global key indices)` candidates of this process's
+        first `limit` prompt keys (global indices from `first`) for the queries of indexer `call`, visited `block`
+        keys at a time."""
+        raise NotImplementedError
+
+
+# What each role asks of a kind: the methods `register_state_kind` checks it defines.
+ROLES: dict[str, tuple[str, ...]] = {
+    "attention": ("attend", "keep", "page_block", "visibility", "accumulate_page_gradients"),
+    "conv": ("conv_state", "continue_conv", "chunk_states"),
+    "recurrent": ("recurrent_state", "finish_recurrent", "chunk_states"),
+    "indexer": ("extend", "prompt_candidates"),
+}
+DECLARED_ATTRIBUTES = ("name", "layer_types", "roles", "sharded_layer_types")
 
 
 @dataclass
 class PromptGeometry:
-    """What every layer state of one capture shares: the captured tokens, where they sit, where the state lives."""
+    """What every layer state of one capture shares: the captured tokens, where they sit, where the state lives.
 
-    num_tokens: int  # captured prompt tokens (all but the last prompt token)
-    start_position: int  # absolute position of the first captured token (= the first real prompt token)
+    Under context parallelism a rank's geometry is its shard's: `num_tokens` and `start_position` are the shard's,
+    `prompt_start` the whole prompt's first position (a chunked layer counts its chunks from there, a DSA selection
+    indexes keys from there).
+    """
+
+    num_tokens: int  # captured prompt tokens held here (all but the last prompt token; a shard's under CP)
+    start_position: int  # absolute position of the first token held here (the first real prompt token, or a shard's)
     placement: Placement
     exact: bool  # the exact prompt gradient needs every entry and every chunk boundary
     fp8_pages: bool = False  # per-token pages in float8_e4m3fn with per-(page, head) scales (detach mode only)
+    prompt_start: int | None = None  # absolute position of the whole prompt's first captured token (None: ours)
+
+    @property
+    def origin(self) -> int:
+        """Absolute position of the whole captured prompt's first token."""
+        return self.start_position if self.prompt_start is None else self.prompt_start
+
+    @property
+    def offset(self) -> int:
+        """Index of the first token held here among the whole prompt's captured tokens (0 but for a CP shard)."""
+        return self.start_position - self.origin
 
 
 STATE_KINDS: dict[str, type[LayerState]] = {}
 
 
 def register_state_kind(kind: type[LayerState]) -> type[LayerState]:
-    """Register a state kind (usable as a class decorator). Kinds are tried in registration order."""
+    """Register a state kind (usable as a class decorator). Kinds are tried in registration order (the built-in ones
+    first, in `state.BUILT_IN_KINDS`'s order). A kind that leaves a duty of `LayerState` out is refused here, naming
+    it."""
+    missing = [name for name in DECLARED_ATTRIBUTES if not hasattr(kind, name)]
+    missing += sorted(getattr(kind, "__abstractmethods__", ()))
+    unknown = sorted(set(getattr(kind, "roles", ())) - set(ROLES))
+    if unknown:
+        raise TypeError(f"State kind {kind.__name__} declares unknown roles {unknown}; the roles are {sorted(ROLES)}.")
+    for role in getattr(kind, "roles", ()):
+        missing += [
+            f"{method} (role {role!r})"
+            for method in ROLES[role]
+            if getattr(kind, method) is getattr(LayerState, method)
+        ]
+    if missing:
+        raise TypeError(
+            f"State kind {kind.__name__} does not implement {', '.join(dict.fromkeys(missing))}: every duty of "
+            "trl_longstraw.state.LayerState must be declared before the kind is registered."
+        )
+    if kind.name in STATE_KINDS and STATE_KINDS[kind.name] is not kind:
+        raise ValueError(
+            f"A state kind named {kind.name!r} is registered already ({STATE_KINDS[kind.name].__name__})."
+        )
     STATE_KINDS[kind.name] = kind
     return kind
 

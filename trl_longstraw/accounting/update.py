@@ -1,130 +1,32 @@
-"""Durable prompt-state bytes from a model config, per state kind, next to what stock GRPO keeps for backward.
+"""The device memory of a whole LongStraw update on one device, predicted from a config (`update_account`).
 
-Each registered state kind accounts for itself (`LayerState.account`): bytes per captured prompt token and fixed
-bytes, from the layer's own module. The account of a config is built on its meta-device skeleton through the same
-layer plan the engine captures with, so it covers exactly the models the engine accepts:
+The weights by dtype or NF4 quantisation, LoRA adapters with their AdamW state, the prompt state by dtype (model
+dtype or fp8 pages) and placement (on the device or in host memory, `prompt_state.prompt_state_bytes`), an estimate
+of the largest working set (one replay's autograd graph, or one capture chunk), and the rollout before the update (one
+prompt state per prompt of the generation batch, with its rows' decoded tokens). The first three are byte counts
+checked against real allocations; the working set is an estimate and is labelled so wherever it is printed.
 
-| kind | kept | grows with P |
-| --- | --- | --- |
-| full attention (GQA/MQA) | K and V, `2 * kv_heads * head_dim` per token | yes |
-| sliding-window / chunked attention | the last `window - 1` K/V / the current chunk | no |
-| GatedDeltaNet | recurrent `[v_heads, k_dim, v_dim]` (fp32) + conv `[conv_dim, kernel - 1]` | no |
-| Mamba2 | SSM `[heads, head_dim, state_size]` (fp32) + conv `[conv_dim, kernel - 1]` | no |
-| MLA | latent `kv_lora_rank` + rope key `qk_rope_head_dim` per token | yes |
-| DSA indexer (index-computing layers) | indexer key `index_head_dim` per token | yes |
-
-Stock GRPO's lower bound is what autograd must keep with activation checkpointing at every layer boundary: one
-hidden state per layer per token per member, `layers * G * (P + R) * hidden` values (without checkpointing it is
-several times more). These are computed, not measured: the measured peaks are the telemetry's.
-
-The second half predicts the device memory of a whole LongStraw update (`update_account`): the weights by dtype or
-NF4 quantisation, LoRA adapters with their AdamW state, the prompt state by dtype (model dtype or fp8 pages) and
-placement (on the device or in host memory), an estimate of the largest working set (one replay's autograd graph,
-or one capture chunk), and the rollout before the update (one prompt state per prompt of the generation batch, with
-its rows' decoded tokens). The first three are byte counts checked against real allocations; the working set is an
-estimate and is labelled so wherever it is printed.
+Everything here is computed from a config's meta-device skeleton (no weights are loaded). Weights, LoRA and state are
+exact byte counts of what bitsandbytes, PEFT and the capture allocate (tests/test_accounting.py checks each against
+the real allocation on a tiny model). The replay's graph and the capture chunk's working set are ESTIMATES:
+upper-leaning models of what autograd saves and of the largest transient tensors, calibrated against the saved
+tensors of a real replay on the tiny models of every family (test_replay_estimate_bounds_the_saved_activations).
+What is not modelled at all: the CUDA context and the caching allocator's fragmentation, NCCL buffers, the generation
+(vLLM or transformers) and anything the user's own code keeps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from torch import nn
 from transformers import PretrainedConfig
 
-from .architectures import check_supported, model_skeleton
-from .state.placement import FP8_PAGE_TOKENS
-from .state.registry import LayerAccount, decoder_layers
-
-
-@dataclass
-class LayerTypeAccount:
-    """`layers` layers of one kind and geometry, each keeping `part`'s bytes."""
-
-    layers: int
-    part: LayerAccount
-    chunk_size: int | None = None  # the capture chunk (`prefill_chunk_size`), for kinds kept once per chunk
-
-    @property
-    def per_token(self) -> int:
-        return self.part.per_token
-
-    @property
-    def fixed(self) -> int:
-        return self.part.fixed
-
-    def bytes(self, num_tokens: int) -> int:
-        return self.layers * self.part.bytes(num_tokens, self.chunk_size)
-
-
-@dataclass
-class StateAccount:
-    """The durable prompt state of one group for a config, by state label (`full_attention`, `mla_latent`, ...)."""
-
-    by_layer_type: dict[str, LayerTypeAccount] = field(default_factory=dict)
-    chunk_size: int | None = None
-
-    def add(self, part: LayerAccount) -> None:
-        label = part.label
-        account = self.by_layer_type.setdefault(label, LayerTypeAccount(0, part, self.chunk_size))
-        if account.part != part:  # same label, other geometry: keep both apart
-            label = f"{label} ({part.per_token} B/token, {part.fixed} B)"
-            account = self.by_layer_type.setdefault(label, LayerTypeAccount(0, part, self.chunk_size))
-        account.layers += 1
-
-    def bytes(self, num_tokens: int) -> int:
-        return sum(account.bytes(num_tokens) for account in self.by_layer_type.values())
-
-    def bytes_per_token(self) -> int:
-        return sum(account.layers * account.per_token for account in self.by_layer_type.values())
-
-
-def prompt_state_account(
-    config: PretrainedConfig,
-    dtype_bytes: int = 2,
-    exact: bool = False,
-    trust_remote_code: bool = False,
-    prefill_chunk_size: int | None = None,
-) -> StateAccount:
-    """What LongStraw keeps for `config` (any config the engine accepts), in bytes, by state kind.
-
-    `dtype_bytes` is the model's activation dtype (2 for bf16); recurrent states (GatedDeltaNet, Mamba2) are kept
-    in fp32. `exact=True` accounts windowed layers at full length and the recurrent states at every capture chunk's
-    boundary (the exact prompt gradient needs every entry), with chunks of `prefill_chunk_size` tokens (None: the
-    prompt in one chunk). Raises `UnsupportedModelError` for a config the engine refuses.
-    """
-    plans = check_supported(config, trust_remote_code=trust_remote_code)
-    text_config = config.get_text_config()
-    account = StateAccount(chunk_size=prefill_chunk_size)
-    for plan in plans:
-        for kind, mixer in plan.kinds:
-            part = kind.account(mixer, text_config, plan.layer_type, dtype_bytes, exact)
-            if part.label != "feed_forward":
-                account.add(part)
-    return account
-
-
-def stock_activation_bytes(
-    config: PretrainedConfig, prompt_tokens: int, completion_tokens: int, group_size: int, dtype_bytes: int = 2
-) -> int:
-    """Lower bound of what stock GRPO keeps for backward: checkpointed layer inputs of every member's sequence."""
-    config = config.get_text_config()
-    tokens = group_size * (prompt_tokens + completion_tokens)
-    return config.num_hidden_layers * tokens * config.hidden_size * dtype_bytes
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The whole update on one device: weights, LoRA + AdamW, prompt state by dtype and placement, one replay's graph.
-#
-# Everything below is computed from a config's meta-device skeleton (no weights are loaded). Weights, LoRA and state
-# are exact byte counts of what bitsandbytes, PEFT and the capture allocate (tests/test_accounting.py checks each
-# against the real allocation on a tiny model). The replay's graph and the capture chunk's working set are ESTIMATES:
-# upper-leaning models of what autograd saves and of the largest transient tensors, calibrated against the saved
-# tensors of a real replay on the tiny models of every family (test_replay_estimate_bounds_the_saved_activations).
-# What is not modelled at all: the CUDA context and the caching allocator's fragmentation, NCCL buffers, the
-# generation (vLLM or transformers) and anything the user's own code keeps.
+from ..architectures import check_supported, model_skeleton
+from ..state.registry import decoder_layers
+from .prompt_state import prompt_state_bytes, skeleton_of
 
 NF4_BLOCKSIZE = 64  # bitsandbytes' default 4-bit blocksize (BitsAndBytesConfig has no blocksize field)
 NF4_CODE_VALUES = 16  # the NF4 code book, fp32, one copy per quantised weight (bitsandbytes builds it per weight)
@@ -138,22 +40,11 @@ BF16_BYTES = 2
 # not (activation functions and their products, RoPE, gates, casts, LoRA's rank-r intermediates). Measured on the
 # tiny model of every family (fp32, no checkpointing), the whole `saved` term is 1.1x to 2.1x what autograd saved.
 ACTIVATION_FACTOR = 2.0
-# Recurrent mixers' chunked kernels (transformers' torch fallbacks of GatedDeltaNet and Mamba2) also save per-chunk
-# matrices in fp32: per token and head, about 8 x chunk + 12 x (key dim + value dim) + 2 x key dim x value dim / chunk
-# elements (calibrated on the fallbacks; fla / mamba-ssm kernels recompute most of this and keep less).
-RECURRENT_CHUNK_TERMS = (8, 12, 2)
-GATED_DELTANET_CHUNK = 64  # the chunk of transformers' torch_chunk_gated_delta_rule and of fla's chunked kernel
+# (The recurrent kernels' own fp32 chunk matrices are their kinds' `replay_saved_bytes`.)
 # TRL's fused LM head (trl.kernels.chunked_logprob): tiles of [min(tokens, 4096), 32768] logits in the compute dtype,
 # and an fp32 gradient of the hidden states in backward.
 LM_HEAD_TOKEN_TILE = 4096
 LM_HEAD_VOCAB_TILE = 32768
-
-
-def _skeleton(model_or_config: nn.Module | PretrainedConfig, trust_remote_code: bool = False) -> nn.Module:
-    """The meta-device skeleton of a config, or the model given (one skeleton can serve several accounts)."""
-    if isinstance(model_or_config, nn.Module):
-        return model_or_config
-    return model_skeleton(model_or_config, trust_remote_code=trust_remote_code)
 
 
 def nf4_weight_bytes(numel: int, double_quant: bool, blocksize: int = NF4_BLOCKSIZE) -> int:
@@ -212,7 +103,7 @@ def weight_account(
     from transformers.quantizers.base import get_keys_to_not_convert
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    skeleton = _skeleton(config, trust_remote_code)
+    skeleton = skeleton_of(config, trust_remote_code)
     strict_fp32 = list(getattr(skeleton, "_keep_in_fp32_modules_strict", None) or [])
     quantized: set[str] = set()
     if quantization == "nf4":
@@ -279,53 +170,6 @@ def lora_account(
     return LoraAccount(rank, trainable, value_bytes)
 
 
-def fp8_pages_bytes(kv_heads: int, head_dim: int, num_tokens: int) -> int:
-    """K and V of one attention layer in fp8 pages: 1 byte per value plus one fp32 scale per (64-token page, kv head),
-    for K and for V (`state/placement.py`)."""
-    pages = -(-num_tokens // FP8_PAGE_TOKENS)
-    return 2 * (kv_heads * num_tokens * head_dim + FP32_BYTES * kv_heads * pages)
-
-
-def prompt_state_bytes(
-    config: PretrainedConfig | nn.Module,
-    num_tokens: int,
-    dtype_bytes: int = 2,
-    state_dtype: Literal["auto", "float8_e4m3fn"] = "auto",
-    exact: bool = False,
-    trust_remote_code: bool = False,
-    prefill_chunk_size: int | None = None,
-) -> dict[str, int]:
-    """Bytes of one captured state of `num_tokens` prompt tokens, by state label, as the capture allocates them
-    (`exact`, `prefill_chunk_size`: as `prompt_state_account`).
-
-    `state_dtype="float8_e4m3fn"` (detach mode only, as the engine) stores the K/V pages of full-attention layers in
-    fp8 with per-(page, kv head) fp32 scales, and MLA latent pages with one fp32 scale per page; windowed layers keep
-    their few entries, recurrent states stay fp32, DSA indexer keys stay in the model dtype (`dtype_bytes`: they
-    decide a discrete selection).
-    """
-    if exact and state_dtype != "auto":
-        raise ValueError("fp8 prompt-state pages are detach mode only: the exact gradient needs full-width leaves")
-    skeleton = _skeleton(config, trust_remote_code)
-    plans = check_supported(skeleton)
-    text_config = skeleton.config.get_text_config()
-    by_label: dict[str, int] = {}
-    for plan in plans:
-        for kind, mixer in plan.kinds:
-            part = kind.account(mixer, text_config, plan.layer_type, dtype_bytes, exact)
-            if part.label == "feed_forward":
-                continue
-            if state_dtype == "float8_e4m3fn" and part.label == "full_attention":
-                values_per_token = part.per_token // (2 * dtype_bytes)  # kv_heads x head_dim, for K (and for V)
-                kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-                nbytes = fp8_pages_bytes(kv_heads, values_per_token // kv_heads, num_tokens)
-            elif state_dtype == "float8_e4m3fn" and part.label == "mla_latent":  # one page tensor, one "head"
-                nbytes = fp8_pages_bytes(1, part.per_token // dtype_bytes, num_tokens) // 2
-            else:
-                nbytes = part.bytes(num_tokens, prefill_chunk_size)
-            by_label[part.label] = by_label.get(part.label, 0) + nbytes
-    return by_label
-
-
 def _layer_linear_elements(layer: nn.Module, experts_per_token: int) -> int:
     """Inputs + outputs of every linear map one token passes through in `layer` (per token, in elements). Fused MoE
     expert tensors `[experts, out, in]` count for the `experts_per_token` experts a token is routed to."""
@@ -338,18 +182,6 @@ def _layer_linear_elements(layer: nn.Module, experts_per_token: int) -> int:
             if param.dim() == 3:  # fused experts: [experts, out, in] (or [experts, in, out])
                 total += experts_per_token * (param.shape[1] + param.shape[2])
     return total
-
-
-def _recurrent_chunk_elements(kind_name: str, mixer: nn.Module) -> int:
-    """fp32 elements per token the chunked kernel of a recurrent mixer saves (RECURRENT_CHUNK_TERMS), or 0."""
-    if kind_name == "gated_deltanet":
-        heads, key_dim, value_dim, chunk = mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, GATED_DELTANET_CHUNK
-    elif kind_name == "mamba2":
-        heads, key_dim, value_dim, chunk = mixer.num_heads, mixer.ssm_state_size, mixer.head_dim, mixer.chunk_size
-    else:
-        return 0
-    per_chunk, per_dim, per_state = RECURRENT_CHUNK_TERMS
-    return heads * (per_chunk * chunk + per_dim * (key_dim + value_dim) + -(-per_state * key_dim * value_dim // chunk))
 
 
 @dataclass(frozen=True)
@@ -368,18 +200,6 @@ class GraphAccount:
     @property
     def bytes(self) -> int:
         return self.saved + self.backward + self.attention_tiles + self.lm_head + self.indexer
-
-
-def _attention_geometry(plans, text_config) -> tuple[int, int]:
-    """(query heads, DSA index heads) of the widest attention-like mixer (0 where the model has none)."""
-    heads = index_heads = 0
-    for plan in plans:
-        for kind, mixer in plan.kinds:
-            if kind.name in ("attention", "mla_latent"):
-                heads = max(heads, getattr(mixer, "num_heads", None) or text_config.num_attention_heads)
-            elif kind.name == "dsa_indexer":
-                index_heads = max(index_heads, mixer.n_heads)
-    return heads, index_heads
 
 
 def replay_graph_account(
@@ -443,7 +263,7 @@ def capture_chunk_account(
 def _graph_account(
     config, tokens, prompt_tokens, attention_chunk_size, checkpointing, grad, dtype_bytes, trust_remote_code
 ) -> GraphAccount:
-    skeleton = _skeleton(config, trust_remote_code)
+    skeleton = skeleton_of(config, trust_remote_code)
     plans = check_supported(skeleton)
     text_config = skeleton.config.get_text_config()
     hidden = text_config.hidden_size
@@ -452,9 +272,11 @@ def _graph_account(
     per_layer = []
     for plan, layer in zip(plans, layers, strict=True):
         elements = ACTIVATION_FACTOR * (_layer_linear_elements(layer, top_k) + 2 * hidden) * dtype_bytes
-        recurrent = sum(_recurrent_chunk_elements(kind.name, mixer) for kind, mixer in plan.kinds) * FP32_BYTES
+        recurrent = sum(kind.replay_saved_bytes(mixer) for kind, mixer in plan.kinds)
         per_layer.append(int(elements) + recurrent)
-    heads, index_heads = _attention_geometry(plans, text_config)
+    kinds = [(kind, mixer) for plan in plans for kind, mixer in plan.kinds]
+    heads = max((kind.attention_heads(mixer, text_config) for kind, mixer in kinds), default=0)  # the widest
+    index_heads = max((kind.index_heads(mixer) for kind, mixer in kinds), default=0)
     keys = prompt_tokens + (tokens if grad else 0)
     tiles = 2 * heads * tokens * min(attention_chunk_size, max(keys, 1)) * FP32_BYTES
     indexer_keys = tokens + min(attention_chunk_size, max(prompt_tokens, 1))  # own keys + one block of the prompt's

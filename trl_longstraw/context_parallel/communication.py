@@ -1,0 +1,157 @@
+"""The collectives of context parallelism: one CP group, the device its tensors travel on, what went through it.
+
+Every collective goes through [`ContextParallelGroup`], which picks, once per group, the device its communication
+tensors live on (`communication_device`: CUDA's current device for NCCL, the CPU for gloo and any other backend) and
+moves a tensor there and back only where it is not there already. The math stays on the compute device; with NCCL and
+the model on CUDA nothing is copied, with gloo and the model on CPU nothing is either. Verified on gloo (CPU) only:
+the NCCL path is written for, not tested.
+
+`COMMUNICATION` counts the elements sent through each kind of collective (benchmarks/context_parallel.py checks the
+count against the formula in the package docstring).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .sharding import ContextParallelError
+
+# Elements sent through each kind of collective by this process (reset it to measure a phase).
+COMMUNICATION: Counter = Counter()
+# dtypes a tensor header can name (p2p hand-offs, broadcasts of tensors the receiver allocates)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_CPU = torch.device("cpu")
+
+
+def communication_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where the tensors of `group`'s collectives must live: NCCL takes CUDA tensors on this process's current
+    device; gloo (and any other backend) CPU tensors. A process group that carries both (`"cpu:gloo,cuda:nccl"`)
+    gets CUDA, where the model's tensors already are."""
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return _CPU
+
+
+@dataclass(frozen=True)
+class ContextParallelGroup:
+    """The ranks that share one prompt: `group` (None: the default group), this rank's index in it, its size, and the
+    device its communication tensors live on (`communication_device`, picked once by `of`).
+
+    Every collective of context parallelism goes through these methods, which take and return tensors on any device:
+    a tensor not on `device` is copied there for the collective (and the result copied back in place); the math that
+    produced it stays on the compute device."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    device: torch.device = _CPU
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup | None = None) -> ContextParallelGroup:
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), communication_device(group))
+
+    def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` itself if the backend can send it (on `device`, contiguous), else a copy that it can."""
+        return tensor.to(self.device).contiguous()
+
+    def _in_place(self, collective, tensor: torch.Tensor) -> torch.Tensor:
+        wire = self._wire(tensor)
+        collective(wire)
+        if wire is not tensor:
+            tensor.copy_(wire)
+        return tensor
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
+        COMMUNICATION[kind] += tensor.numel()
+        return self._in_place(lambda wire: dist.all_reduce(wire, op=op, group=self.group), tensor)
+
+    def broadcast(self, tensor: torch.Tensor, source: int, kind: str = "broadcast") -> torch.Tensor:
+        """`tensor` as `source` has it, on every rank; the source's own tensor is never written (it may be a view of
+        an activation autograd saved: an in-place write through a wire copy would bump its version)."""
+        COMMUNICATION[kind] += tensor.numel()
+        if self.rank == source:
+            dist.broadcast(self._wire(tensor), group=self.group, group_src=source)
+            return tensor
+        return self._in_place(lambda wire: dist.broadcast(wire, group=self.group, group_src=source), tensor)
+
+    def broadcast_tensor(self, tensor: torch.Tensor | None, source: int, kind: str) -> torch.Tensor:
+        """A tensor of any shape and dtype from `source` (`None` elsewhere; header first: the others allocate from
+        it), on `device` except at the source."""
+        header = _header(tensor, self.device) if self.rank == source else torch.zeros(8, dtype=torch.int64)
+        header = self.broadcast(header, source, kind="header")
+        if self.rank != source:
+            tensor = _allocated(header, self.device)
+        return self.broadcast(tensor.detach(), source, kind=kind)
+
+    def send(self, tensor: torch.Tensor, destination: int) -> None:
+        """A tensor of any shape and dtype to `destination` (header first: the receiver allocates from it)."""
+        dist.send(_header(tensor, self.device), group=self.group, group_dst=destination)
+        COMMUNICATION["send"] += tensor.numel()
+        dist.send(self._wire(tensor.detach()), group=self.group, group_dst=destination)
+
+    def receive(self, source: int) -> torch.Tensor:
+        """The tensor `send` sent, on `device` (the caller moves it where it is kept)."""
+        header = torch.empty(8, dtype=torch.int64, device=self.device)
+        dist.recv(header, group=self.group, group_src=source)
+        tensor = _allocated(header, self.device)
+        dist.recv(tensor, group=self.group, group_src=source)
+        return tensor
+
+
+def _header(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """What a receiver needs to allocate `tensor` (up to 6 dimensions): its rank, dtype and shape."""
+    header = torch.zeros(8, dtype=torch.int64)
+    header[0], header[1] = tensor.dim(), DTYPES.index(tensor.dtype)
+    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
+    return header.to(device)
+
+
+def _allocated(header: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An empty tensor as `_header` described it."""
+    dims, dtype, *shape = header.tolist()
+    return torch.empty(tuple(shape[:dims]), dtype=DTYPES[dtype], device=device)
+
+
+def pack(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Several tensors as one flat tensor, for one collective (`unpack` splits it again)."""
+    return torch.cat([piece.reshape(-1) for piece in pieces])
+
+
+def unpack(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`packed` (from `pack`) as views shaped like `like`."""
+    pieces, offset = [], 0
+    for piece in like:
+        pieces.append(packed[offset : offset + piece.numel()].view_as(piece))
+        offset += piece.numel()
+    return pieces
+
+
+def build_context_parallel_group(context_parallel_size: int) -> ContextParallelGroup:
+    """This rank's CP group on `torch.distributed`, `world = dp x cp`: consecutive ranks `[k cp, (k + 1) cp)` form CP
+    group k (neighbours share a prompt: on a multi-GPU node they share the fastest links), as Accelerate orders its
+    mesh (`cp` inner). Every rank creates every group, in the same order, as `new_group` requires. Gradients are
+    averaged over the whole world, not over a DP group: that is the DP mean (a CP group's ranks hold the same
+    gradient), and it keeps a CP group's ranks bitwise equal even where a non-deterministic kernel (CUDA's scatter-add
+    in MoE routing, say) made their replays differ in the last bits, so their weights can never drift apart."""
+    size = context_parallel_size
+    if not dist.is_available() or not dist.is_initialized():
+        raise ContextParallelError(
+            f"context_parallel_size={size} needs a distributed launch: run `accelerate launch --num_processes N` with "
+            f"N a multiple of {size}, or set context_parallel_size=1."
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size:
+        raise ContextParallelError(
+            f"context_parallel_size={size} does not divide the {world} processes (world = data parallel x context "
+            f"parallel): launch a multiple of {size} processes, or set context_parallel_size to a divisor of {world}."
+        )
+    context = None
+    for first in range(0, world, size):
+        ranks = list(range(first, first + size))
+        group = dist.new_group(ranks)
+        context = group if rank in ranks else context
+    return ContextParallelGroup.of(context)
