@@ -871,7 +871,7 @@ def parse_args(argv=None):
         "--threads",
         type=int,
         default=1,
-        help="OMP/MKL threads per run (0: library default). 1 by default: see the README note",
+        help="OMP/MKL threads per run (0: library default). 1 by default: see benchmarks/README.md, 'Threads'",
     )
     parser.add_argument("--capacity", action="store_true")
     parser.add_argument("--capacity-modes", type=mode_list, default=mode_list("stock-serialized,longstraw-detach"))

@@ -1,6 +1,6 @@
-"""Predicted device memory of one whole LongStraw update (detach mode), next to one H200: the README's table.
+"""Predicted device memory of one whole LongStraw update (detach mode), next to one H200: the table in docs/memory.md.
 
-    .venv/bin/python benchmarks/update_accounting.py                      # the README rows (2,097,152 positions)
+    .venv/bin/python benchmarks/update_accounting.py                      # docs/memory.md's rows (2,097,152 positions)
     .venv/bin/python benchmarks/update_accounting.py --completion-tokens 2048 --breakdown
     .venv/bin/python benchmarks/update_accounting.py --context-parallel 8          # the same rows, per CP rank
     .venv/bin/python benchmarks/update_accounting.py \

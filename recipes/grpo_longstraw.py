@@ -130,7 +130,7 @@ def phase_table(log_history: list[dict[str, float]]) -> str:
     """Per phase over the logged training steps: mean wall time, the largest peak and what the phase added at its peak.
 
     The memory keys are whatever the telemetry logged (`cuda_allocated_*` on CUDA, `rss_*` on the host, see the
-    README's "Logged metrics"), so the table names them rather than assuming one. Phases that never ran (e.g.
+    docs/memory.md, "Logged metrics"), so the table names them rather than assuming one. Phases that never ran (e.g.
     `capture_ref` when `beta=0`, `prompt_backward` in detach mode) are shown as not logged. Evaluation's metrics
     (`eval_longstraw/...`) are not in this table.
     """

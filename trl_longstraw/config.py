@@ -67,7 +67,7 @@ class LongStrawGRPOConfig(GRPOConfig):
             `GRPOTrainer`, at the cost of one prompt forward+backward per group and micro-step.
         prefill_chunk_size (`int`, *optional*, defaults to `1024`):
             Prompt tokens per no-grad capture forward (and per exact-mode recompute chunk). The default is measured
-            (README, "Chunk sizes"): at P = 8K on CPU, 1024 against 2048 lowers the exact-mode peak from 0.465 to
+            (docs/benchmarks.md, "Chunk sizes"): at P = 8K on CPU, 1024 against 2048 lowers the exact-mode peak from 0.465 to
             0.269 GiB and detach's from 0.091 to 0.081 GiB at the same step time.
         attention_chunk_size (`int`, *optional*, defaults to `4096`):
             Prompt keys per step of the prefix attention.
@@ -78,15 +78,15 @@ class LongStrawGRPOConfig(GRPOConfig):
             `"auto"` keeps the prompt state in the model's dtype; `"float8_e4m3fn"` keeps attention K/V pages in fp8
             with one scale per (64-token page, kv head), and MLA latent pages with one scale per page, half the bytes
             of bf16, dequantised chunk by chunk as read. Detach mode only. Its cost in log-prob error is measured in
-            the README.
+            docs/benchmarks.md ("fp8 prompt-state pages").
         rollout_from_prompt_state (`bool`, *optional*):
             Generate completions from the captured prompt state (each distinct prompt captured once, its rows decoding
             together against it) instead of transformers' `generate`. `None` (default): on, except with vLLM or
             continuous batching, or where the generation settings ask for what it does not implement (a warning says
             so); `True`: on, and such settings are an error; `False`: TRL's generation.
         context_parallel_size (`int`, *optional*):
-            Ranks that share one prompt, each keeping a contiguous shard of its state (see the README's "Context
-            parallelism"). The world must be a multiple of it: `world = data parallel x context parallel`. Unset: the
+            Ranks that share one prompt, each keeping a contiguous shard of its state (see
+            docs/context-parallel.md). The world must be a multiple of it: `world = data parallel x context parallel`. Unset: the
             `cp_size` of Accelerate's `parallelism_config` (in the training args, or in an accelerate config file's
             `parallelism_config` section), else 1. Set both and they must agree.
 
@@ -94,7 +94,7 @@ class LongStrawGRPOConfig(GRPOConfig):
 
         log_phase_metrics (`bool`, *optional*, defaults to `True`):
             Log wall time, peak memory and run count of each phase, and the prompt-state size, under `longstraw/` (see
-            the README's "Logged metrics"); `False` logs none of them. Never resets a process-wide counter (CUDA peak
+            docs/memory.md, "Logged metrics"); `False` logs none of them. Never resets a process-wide counter (CUDA peak
             stats, the kernel's RSS high-water mark).
         sync_phase_metrics (`bool`, *optional*, defaults to `False`):
             Synchronise the accelerator at each phase boundary so `time_s` is device time. Off by default: CUDA

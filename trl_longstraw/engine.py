@@ -183,12 +183,18 @@ class LongStrawEngine:
     def _device(model: nn.Module) -> torch.device:
         return model.get_input_embeddings().weight.device
 
-    @torch.no_grad()
-    def capture(self, model: nn.Module, prompt_ids: torch.Tensor, first_position: int) -> PromptState:
-        """Run all but the last of `prompt_ids` (1-D, real tokens only) without autograd and keep their state."""
-        check_prepared(model)
-        num_tokens = prompt_ids.numel() - 1
-        state = PromptState(
+    def empty_state(
+        self,
+        model: nn.Module,
+        num_tokens: int,
+        first_position: int,
+        state_class: type[PromptState] = PromptState,
+        **extra,
+    ) -> PromptState:
+        """The state a capture of `num_tokens` tokens from `first_position` fills (`state_class`, built with `extra`):
+        this engine's placement, gradient mode and page dtype, and zero routing sums where the load-balancing loss
+        reads them."""
+        state = state_class(
             plan_layers(model),
             num_tokens=num_tokens,
             start_position=first_position,
@@ -196,9 +202,18 @@ class LongStrawEngine:
             weights_version=weights_version(model),
             exact=self.prompt_gradient == "exact",
             fp8_pages=self.prompt_state_dtype == "float8_e4m3fn",
+            **extra,
         )
         if self.routing is not None:
             state.router_load = RouterLoad.zeros(self.routing, self._device(model))
+        return state
+
+    @torch.no_grad()
+    def capture(self, model: nn.Module, prompt_ids: torch.Tensor, first_position: int) -> PromptState:
+        """Run all but the last of `prompt_ids` (1-D, real tokens only) without autograd and keep their state."""
+        check_prepared(model)
+        num_tokens = prompt_ids.numel() - 1
+        state = self.empty_state(model, num_tokens, first_position)
         for chunk_index, start in enumerate(range(0, num_tokens, self.prefill_chunk_size)):
             end = min(start + self.prefill_chunk_size, num_tokens)
             _, load = self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk_index)

@@ -197,7 +197,7 @@ class PhaseTelemetry:
             self._state_bytes[mode] = max(self._state_bytes.get(mode, 0), nbytes)
 
     def flush(self, mode: str = "train") -> dict[str, float]:
-        """The `mode`'s metrics since its last flush, keyed as the README's "Logged metrics" lists them."""
+        """The `mode`'s metrics since its last flush, keyed as docs/memory.md's "Logged metrics" lists them."""
         metrics = {}
         for name, seconds in self._seconds[mode].items():
             metrics[f"{PREFIX}/{name}/time_s"] = seconds

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from ..engine import LongStrawEngine, check_prepared, no_layer_checkpointing, non_finite_error, weights_version
 from ..load_balancing import RouterLoad
-from ..state import plan_layers
 from .communication import ContextParallelGroup, pack, unpack
 from .protocol import check_protocol
 from .sharding import check_prompt_length
@@ -63,19 +62,7 @@ class ContextParallelEngine(LongStrawEngine):
         if not self._protocol_checked:  # before the first announcement: every rank raises alike on a mismatch
             check_protocol(cp)
             self._protocol_checked = True
-        num_tokens = prompt_ids.numel() - 1
-        state = ShardedPromptState(
-            plan_layers(model),
-            num_tokens,
-            first_position,
-            cp,
-            device=self.state_device,
-            weights_version=weights_version(model),
-            exact=self.prompt_gradient == "exact",
-            fp8_pages=self.prompt_state_dtype == "float8_e4m3fn",
-        )
-        if self.routing is not None:
-            state.router_load = RouterLoad.zeros(self.routing, self._device(model))
+        state = self.empty_state(model, prompt_ids.numel() - 1, first_position, ShardedPromptState, cp=cp)
         for owner in range(cp.size):
             if owner != cp.rank:
                 state.serve(owner, self.attention_chunk_size, self._device(model))

@@ -3,7 +3,7 @@
 MLA caches, per token, the compressed latent (`kv_lora_rank`, after `kv_a_layernorm`) and the shared rope key
 (`qk_rope_head_dim`): 576 values per token on GLM-5, instead of per-head K/V. LongStraw keeps exactly that, as one
 `[1, tokens, kv_lora_rank + qk_rope_head_dim]` page tensor, and never expands it back to per-head K/V. Instead
-`kv_b_proj` is absorbed into the query and the output side (measured choice, see README): with
+`kv_b_proj` is absorbed into the query and the output side (measured choice: docs/benchmarks.md, "MLA"): with
 `W_uk, W_uv = kv_b_proj` split per head,
 
     q_h . k_h,j = (W_uk_h^T q_nope_h) . c_j + q_rope_h . k_rope_j        o_h = W_uv_h (sum_j p_hj c_j)

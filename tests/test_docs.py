@@ -1,0 +1,196 @@
+"""The docs against the code and against themselves: the configuration reference documents every LongStraw field with
+its default, the README stays a front page, every relative link resolves, and no page narrates how it was written."""
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+from trl import GRPOConfig
+
+from trl_longstraw.config import LongStrawGRPOConfig
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+DOCS = REPOSITORY / "docs"
+CONFIGURATION = DOCS / "configuration.md"
+README = REPOSITORY / "README.md"
+PAGES = [README, REPOSITORY / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))]
+README_MAX_LINES = 250
+FORBIDDEN = ("this session", "latest session", "../shared")
+
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
+HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.MULTILINE)
+BACKTICKED = re.compile(r"^`([A-Za-z_][A-Za-z0-9_]*)`$")
+
+
+def page_id(path: Path) -> str:
+    return str(path.relative_to(REPOSITORY))
+
+
+def prose(text: str) -> str:
+    """The text outside fenced code blocks, where a link or a heading means one."""
+    return FENCE.sub("", text)
+
+
+def table_rows(text: str) -> list[dict[str, str]]:
+    """Every row of every markdown table whose header starts with `field | default`, as {header cell: cell}."""
+    rows, header = [], None
+    for line in prose(text).splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if header is None:
+            header = cells
+        elif not set("".join(cells)) <= set("-: "):
+            rows.append(dict(zip(header, cells)))
+    return [row for row in rows if list(row)[:2] == ["field", "default"]]
+
+
+def documented_fields() -> dict[str, dict[str, str]]:
+    """The configuration reference's field rows, keyed by the field name its first cell holds in backticks."""
+    fields = {}
+    for row in table_rows(CONFIGURATION.read_text()):
+        name = BACKTICKED.match(row["field"])
+        assert name, f"docs/configuration.md: a field cell must be one `name` in backticks, got {row['field']!r}"
+        fields[name.group(1)] = row
+    return fields
+
+
+def literal(cell: str):
+    """A default cell: one Python literal in backticks."""
+    assert cell.startswith("`") and cell.endswith("`"), f"a default must be a Python literal in backticks: {cell!r}"
+    return ast.literal_eval(cell.strip("`"))
+
+
+def defaults(config_class) -> dict[str, object]:
+    return {field.name: field.default for field in dataclasses.fields(config_class)}
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercased, punctuation but `-` and `_` dropped, spaces as `-`."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link in a heading keeps its text
+    text = re.sub(r"[^\w\- ]", "", text.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    result = set()
+    for heading in HEADING.findall(prose(path.read_text())):
+        base = slug(heading)
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        result.add(base if count == 0 else f"{base}-{count}")
+    return result
+
+
+def relative_links(path: Path) -> list[str]:
+    return [
+        target
+        for target in LINK.findall(prose(path.read_text()))
+        if not re.match(r"^[a-z][a-z0-9+.-]*:", target, re.IGNORECASE)  # http:, https:, mailto:, ...
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The configuration reference
+# ---------------------------------------------------------------------------------------------------------------------
+def test_every_field_longstraw_adds_is_in_the_configuration_reference():
+    text = CONFIGURATION.read_text()
+    added = sorted(set(defaults(LongStrawGRPOConfig)) - set(defaults(GRPOConfig)))
+    missing = [name for name in added if f"`{name}`" not in text]
+    assert added and not missing, f"docs/configuration.md does not document {missing}"
+
+
+def test_every_grpo_default_longstraw_overrides_is_in_the_configuration_reference():
+    ours, trls = defaults(LongStrawGRPOConfig), defaults(GRPOConfig)
+    overridden = sorted(name for name in trls if ours[name] != trls[name])
+    missing = [name for name in overridden if name not in documented_fields()]
+    assert overridden and not missing, f"docs/configuration.md does not list the overridden defaults {missing}"
+
+
+def test_every_documented_field_exists_on_the_config():
+    unknown = sorted(set(documented_fields()) - set(defaults(LongStrawGRPOConfig)))
+    assert not unknown, f"docs/configuration.md documents fields LongStrawGRPOConfig does not have: {unknown}"
+
+
+def test_documented_defaults_are_the_dataclass_defaults():
+    ours = defaults(LongStrawGRPOConfig)
+    wrong = {
+        name: (row["default"], ours[name])
+        for name, row in documented_fields().items()
+        if name in ours and literal(row["default"]) != ours[name]
+    }
+    assert not wrong, f"docs/configuration.md's defaults differ from the code's (documented, actual): {wrong}"
+
+
+def test_documented_grpo_defaults_are_trls():
+    trls = defaults(GRPOConfig)
+    rows = {name: row for name, row in documented_fields().items() if "GRPOConfig default" in row}
+    wrong = {
+        name: (row["GRPOConfig default"], trls.get(name))
+        for name, row in rows.items()
+        if name not in trls or literal(row["GRPOConfig default"]) != trls[name]
+    }
+    assert rows and not wrong, f"docs/configuration.md's GRPOConfig defaults differ from TRL's: {wrong}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The README is a front page
+# ---------------------------------------------------------------------------------------------------------------------
+def test_readme_is_a_front_page():
+    lines = len(README.read_text().splitlines())
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail to docs/ (at most {README_MAX_LINES})"
+
+
+@pytest.mark.parametrize("command", ["make demo", "make test"])
+def test_readme_gives_the_two_commands(command):
+    assert command in README.read_text()
+
+
+def test_supported_models_lists_the_readmes_families_table():
+    def families_table(text: str) -> str:
+        lines = text.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("| family | `model_type` |"))
+        end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+        return "\n".join(lines[start:end])
+
+    readme = families_table(README.read_text())
+    assert families_table((DOCS / "supported-models.md").read_text()) == readme, (
+        "docs/supported-models.md's families table differs from README.md's (both are "
+        "`python -m trl_longstraw.architectures`)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Links and wording
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_relative_links_point_at_existing_files(page):
+    broken = [
+        target
+        for target in relative_links(page)
+        if not target.startswith("#") and not (page.parent / target.split("#")[0]).exists()
+    ]
+    assert not broken, f"{page_id(page)} links to files that do not exist: {broken}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_anchors_point_at_existing_headings(page):
+    broken = []
+    for target in relative_links(page):
+        path, _, anchor = target.partition("#")
+        linked = page if not path else page.parent / path
+        if anchor and linked.suffix == ".md" and linked.exists() and anchor not in anchors(linked):
+            broken.append(target)
+    assert not broken, f"{page_id(page)} links to headings that do not exist: {broken}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_pages_do_not_narrate_how_they_were_written(page):
+    text = page.read_text().lower()
+    found = [phrase for phrase in FORBIDDEN if phrase in text]
+    assert not found, f"{page_id(page)} contains {found}: say what the software does and what was measured"
