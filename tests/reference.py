@@ -14,6 +14,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from trl import GRPOTrainer
 
 from trl_longstraw import LongStrawGRPOTrainer
+from trl_longstraw.preflight import positions_follow_mask
 
 from .conftest import add_old_and_ref_logps, grads_of, make_trainer, max_relative_error, synthetic_inputs
 
@@ -46,9 +47,10 @@ class DetachedReferenceTrainer(GRPOTrainer):
         self, model, input_ids, attention_mask, logits_to_keep, compute_aux_loss=False, **kwargs
     ):
         rows_logps, rows_entropies, router_logits, routed = [], [], [], []
+        counts_real_tokens = positions_follow_mask(model)  # as stock's padded forward numbers positions
         for ids, mask in zip(input_ids, attention_mask, strict=True):
             prompt_mask = mask[:-logits_to_keep].bool()
-            first = int((~prompt_mask).sum())
+            first = 0 if counts_real_tokens else int((~prompt_mask).sum())
             prompt = ids[:-logits_to_keep][prompt_mask]
             completion = ids[-logits_to_keep:]
             length = int(mask[-logits_to_keep:].sum())

@@ -627,3 +627,17 @@ def test_no_file_cites_a_design_document_outside_the_repository():
             if "DESIGN" + ".md" in line:  # spelled so that this file does not match itself
                 citing.append(f"{path}:{number}")
     assert not citing, f"cite docs/design.md instead: {citing}"
+
+
+def test_the_high_entropy_mask_runs_on_a_bare_trainer_mock_as_grpo_trainers_tests_call_it():
+    """GRPOTrainer's `TestGetHighEntropyMask` calls the method on `Mock(spec=...)`: no context parallelism there."""
+    from unittest.mock import Mock
+
+    trainer = Mock(spec=LongStrawGRPOTrainer)
+    trainer.accelerator = Mock(num_processes=1)
+    trainer.accelerator.gather = lambda x: x
+    trainer.accelerator.pad_across_processes = lambda x, dim, pad_index: x
+    entropies = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.7, 0.8, 0.9, 1.0, 1.1, 1.2]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    got = LongStrawGRPOTrainer.get_high_entropy_mask(trainer, entropies, mask, threshold=0.8)
+    assert got.tolist() == [[False] * 6, [False, False, True, True, False, False]]

@@ -22,6 +22,9 @@ from .test_engine import case, full_forward, reference_and_prepared
 # Recurrent families: the gradients of A_log / dt_bias (and Mamba's D) are tiny sums with heavy cancellation, which
 # two exact orderings of the same math disagree on far above rounding: compare them against 1e-3 of the global norm.
 RECURRENT = {"qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h"}
+# OPT's key bias: its gradient is zero in exact arithmetic (the softmax ignores a shift common to a query's scores),
+# so both sides hold rounding noise near 1e-10: compare it against 1e-5 of the global norm.
+KEY_BIAS = {"opt"}
 DSA = {"deepseek_v32", "glm_moe_dsa"}
 
 
@@ -165,7 +168,8 @@ def test_levels3_4_loss_and_gradients_match_the_reference(
         beta=0.04,
         prompt_gradient=prompt_gradient,
     )
-    assert_matches_the_reference(ref_loss, loss, ref_grads, grads, floor_fraction=1e-3 if family in RECURRENT else 0.0)
+    floor_fraction = 1e-3 if family in RECURRENT else 1e-5 if family in KEY_BIAS else 0.0
+    assert_matches_the_reference(ref_loss, loss, ref_grads, grads, floor_fraction=floor_fraction)
 
 
 def test_reference_models_load_with_an_attention_that_implements_their_features(tmp_path):

@@ -382,3 +382,49 @@ def test_trls_continuous_batching_generates_with_the_models_own_attention(family
     trainer.train()
     assert trainer.model.config._attn_implementation == "longstraw"
     assert trainer.state.log_history[0]["longstraw/capture/count"] >= 1
+
+
+def replaced_generate(calls):
+    """A `generate` of the test's own: three fixed tokens after every row (the last one EOS)."""
+
+    def generate(*args, input_ids=None, **kwargs):
+        calls.append(input_ids.shape[0])
+        completion = torch.tensor([5, 6, EOS], device=input_ids.device).expand(input_ids.shape[0], -1)
+        return torch.cat([input_ids, completion], dim=1)
+
+    return generate
+
+
+@pytest.mark.parametrize("where", ["instance", "GenerationMixin"])
+def test_a_replaced_generate_generates_as_in_grpo_trainer(where, tokenizer, prompt_dataset, tmp_path, monkeypatch):
+    """A rollout from the prompt state reproduces transformers' generate; a model whose generate was replaced (on the
+    instance, or `GenerationMixin.generate` patched, as GRPOTrainer's own tests do) generates with it instead."""
+    from transformers import GenerationMixin
+
+    trainer = make_trainer(LongStrawGRPOTrainer, build_model(), tokenizer, prompt_dataset, tmp_path, max_steps=1)
+    calls = []
+    generate = replaced_generate(calls)
+    if where == "instance":
+        monkeypatch.setattr(trainer.model, "generate", generate, raising=False)
+    else:
+        monkeypatch.setattr(GenerationMixin, "generate", lambda self, *args, **kwargs: generate(*args, **kwargs))
+    trainer.train()
+    assert calls
+    assert trainer.state.log_history[0]["completions/mean_length"] == 3
+
+
+def test_a_replaced_generate_with_rollout_from_prompt_state_true_is_refused(
+    tokenizer, prompt_dataset, tmp_path, monkeypatch
+):
+    trainer = make_trainer(
+        LongStrawGRPOTrainer,
+        build_model(),
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        max_steps=1,
+        rollout_from_prompt_state=True,
+    )
+    monkeypatch.setattr(trainer.model, "generate", replaced_generate([]), raising=False)
+    with pytest.raises(UnsupportedRolloutError, match="generate is not transformers' own"):
+        trainer.train()

@@ -142,6 +142,17 @@ FAMILIES: dict[str, tuple[str, dict, str]] = {
         "GQA + MoE",
     ),
     "phi3": ("phi3", {"pad_token_id": 0}, "fused QKV projection"),
+    "opt": (
+        "opt",
+        {
+            "num_key_value_heads": 4,  # multi-head attention
+            "ffn_dim": 128,
+            "word_embed_proj_dim": 64,
+            "dropout": 0.0,
+            "max_position_embeddings": 2048,
+        },
+        "learned absolute positions, counted from the attention mask",
+    ),
     "olmo3": (
         "olmo3",
         {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]},

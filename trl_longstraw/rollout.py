@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
 
 from .engine import LongStrawEngine
@@ -46,6 +46,18 @@ class Sampling:
     do_sample: bool
     pad_token_id: int | None
     stops_at_eos: bool
+
+
+# transformers' own `generate`, as imported: what a rollout from the prompt state reproduces.
+TRANSFORMERS_GENERATE = GenerationMixin.generate
+
+
+def generates_with_transformers(model: nn.Module, causal_lm: nn.Module) -> bool:
+    """Whether `model.generate` (`model`: the trained model, the causal LM `causal_lm` or a PEFT model around it) is
+    transformers' own: not replaced on either instance, and neither a method of the causal LM's class nor a patched
+    `GenerationMixin.generate`. Only then does a rollout from the prompt state sample what it would sample."""
+    replaced = any("generate" in vars(module) for module in (model, causal_lm))
+    return not replaced and type(causal_lm).generate is TRANSFORMERS_GENERATE
 
 
 def check_generation_config(model: nn.Module, generation_config: GenerationConfig) -> None:

@@ -44,7 +44,15 @@ from .distributed import average_gradients
 from .engine import ensure_finite, non_finite_error, stock_attention, weights_version
 from .load_balancing import moe_routing
 from .loss import member_backward, replayed_scores
-from .rollout import PromptRows, UnsupportedRolloutError, check_generation_config, decode, prepare_sampling
+from .preflight import check_reaches_prompt_state, positions_follow_mask
+from .rollout import (
+    PromptRows,
+    UnsupportedRolloutError,
+    check_generation_config,
+    decode,
+    generates_with_transformers,
+    prepare_sampling,
+)
 from .telemetry import PhaseTelemetry
 
 logger = logging.getLogger(__name__)
@@ -71,12 +79,14 @@ def group_rows_by_prompt(
     prompt_mask: torch.Tensor,
     completion_mask: torch.Tensor,
     max_positions: int | None,
+    positions_follow_mask: bool = False,
 ) -> list[PromptGroup]:
     """Group a batch's rows by identical `(prompt_ids, prompt_mask)`, wherever they sit; raise on bad layouts.
 
     TRL shuffles rows across the whole generation batch and lets a group span micro-steps, so a micro-batch holds any
     number of rows of any number of groups, in any order. Rows with the same prompt need one capture, whichever group
-    they were sampled in.
+    they were sampled in. A group's first real token sits where the model's own forward puts it: at its index in the
+    padded row, or at 0 for a model that numbers positions from the attention mask (`positions_follow_mask`).
     """
     total_length = prompt_ids.shape[1] + completion_mask.shape[1]
     if max_positions is not None and total_length > max_positions:
@@ -96,8 +106,8 @@ def group_rows_by_prompt(
     for index, rows in enumerate(sorted(rows_of.values(), key=lambda rows: rows[0])):
         real = prompt_mask[rows[0]].bool()
         num_real = int(real.sum())
-        first_position = prompt_ids.shape[1] - num_real
-        if num_real == 0 or not bool(real[first_position:].all()):
+        padding = prompt_ids.shape[1] - num_real
+        if num_real == 0 or not bool(real[padding:].all()):
             raise ValueError(
                 f"Row {rows[0]}: prompt_mask must be left-padded and non-empty (got {prompt_mask[rows[0]].tolist()})."
             )
@@ -105,8 +115,8 @@ def group_rows_by_prompt(
             PromptGroup(
                 index,
                 rows,
-                prompt_ids[rows[0], first_position:].clone(),  # not a view: a kept group must not pin the batch
-                first_position,
+                prompt_ids[rows[0], padding:].clone(),  # not a view: a kept group must not pin the batch
+                0 if positions_follow_mask else padding,
                 [int(lengths[r]) for r in rows],
             )
         )
@@ -256,6 +266,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         for policy_or_ref in (self._causal_lm(self.model), self.ref_model):
             if policy_or_ref is not None:
                 self.accelerator.unwrap_model(policy_or_ref).set_attn_implementation(ATTENTION_IMPLEMENTATION)
+        # Pre-flight (preflight.py): every layer reaches the prompt state, and how the model numbers positions.
+        check_reaches_prompt_state(self._causal_lm(self.model))
+        self._positions_follow_mask = positions_follow_mask(self._causal_lm(self.model))
         state_device = None if args.prompt_state_device == "auto" else torch.device(args.prompt_state_device)
         # Context parallelism (the context_parallel package): None, or this rank's CP group.
         self._context_parallel = (
@@ -279,6 +292,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._first_turn: dict[tuple[int, ...], PromptRows] | None = None  # a generation's prompts, for its tool turns
         self._reached: list[torch.nn.Parameter] | None = None
         self.rollout_from_prompt_state = self._resolve_rollout(args)
+        self._warned_own_generate = False
         if self._context_parallel is not None and self.eval_dataset is not None:  # refused now, not when evaluating
             for dataset in self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]:
                 self._check_eval_dataset(dataset)
@@ -296,6 +310,26 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             logger.warning("Generating with transformers' generate, not from the prompt state: %s", error)
             return False
         return True
+
+    def _rollout_reproduces_generate(self) -> bool:
+        """Whether a rollout from the prompt state samples what GRPOTrainer's `generate` call would: not where the
+        model's `generate` is not transformers' own (a model class with its own, a method replaced or patched after
+        construction), which then generates, as in GRPOTrainer."""
+        if generates_with_transformers(self.model, self._causal_lm(self.model)):
+            return True
+        message = (
+            f"The model's generate is not transformers' own ({type(self._causal_lm(self.model)).__name__}.generate "
+            "is replaced, patched or the model's own), and a rollout from the prompt state reproduces transformers' "
+            "generate only"
+        )
+        if self.args.rollout_from_prompt_state:
+            raise UnsupportedRolloutError(
+                f"{message}. Set rollout_from_prompt_state=None (generate with the model's generate) or restore it."
+            )
+        if not self._warned_own_generate:
+            logger.warning("%s: generating with it, as GRPOTrainer does.", message)
+            self._warned_own_generate = True
+        return False
 
     # ---------------------------------------------------------------------------------------------------------------
     # Helpers
@@ -365,7 +399,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _groups(self, prompt_ids, prompt_mask, completion_mask) -> list[PromptGroup]:
         max_positions = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        return group_rows_by_prompt(prompt_ids, prompt_mask, completion_mask, max_positions)
+        return group_rows_by_prompt(
+            prompt_ids, prompt_mask, completion_mask, max_positions, self._positions_follow_mask
+        )
 
     # ---------------------------------------------------------------------------------------------------------------
     # Prompt states: capture, keep, reuse
@@ -651,7 +687,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         row as a continuation: no turn captures the prompt again. (A `rollout_func` generates the first turn itself:
         its first tool turn captures each history, and later turns continue from those.)
         """
-        if not self.rollout_from_prompt_state:  # TRL's generation, with the model's own attention
+        if not self.rollout_from_prompt_state or not self._rollout_reproduces_generate():
+            # TRL's generation, with the model's own attention
             with stock_attention(self._causal_lm(self.model)):
                 return super()._generate_single_turn(
                     prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
@@ -814,7 +851,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         """GRPOTrainer's mask of the tokens at or above the entropy quantile `threshold` over every rank's tokens,
         each row counted once: under context parallelism a CP group's ranks hold the same rows, and a quantile over
         every copy would move its interpolation point, so only a CP group's first rank contributes its tokens."""
-        if self._context_parallel is None:
+        # GRPOTrainer's own tests call this on a bare `Mock(spec=GRPOTrainer)`, which has no `_context_parallel`.
+        if getattr(self, "_context_parallel", None) is None:
             return super().get_high_entropy_mask(entropies, mask, threshold)
         local = leader_rows(entropies[mask.bool()].float(), self._context_parallel)
         pad_value = -1e9  # entropies are never negative: a sentinel for the padding across processes, as in TRL

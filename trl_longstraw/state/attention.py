@@ -58,6 +58,12 @@ class AttentionPages(LayerState):
                 f"Layer {mixer.layer_idx} ({type(mixer).__name__}) reuses the K/V of another layer (KV sharing), "
                 "which LongStraw's attention state does not implement."
             )
+        if mixer is not None and hasattr(mixer, "prepare_dynamic_mask"):
+            raise UnsupportedModelError(
+                f"Layer {mixer.layer_idx} ({type(mixer).__name__}) hands the attention function a dynamic mask (Doge's: "
+                "a learned per-key score bias, and only its top keep_window_size keys), which LongStraw's attention "
+                "over the prompt state does not implement. Train this model with GRPOTrainer."
+            )
         return mixer
 
     @classmethod

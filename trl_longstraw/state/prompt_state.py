@@ -28,7 +28,11 @@ class StaleStateError(RuntimeError):
 
 class UnpreparedModelError(RuntimeError):
     """The model's layers did not reach LongStraw's state during a capture (wrong attention implementation, or a
-    mixer whose forward bypasses the Cache API / AttentionInterface)."""
+    mixer whose forward bypasses the Cache API / AttentionInterface). `layers`: those that did not, named."""
+
+    def __init__(self, message: str, layers: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.layers = layers
 
 
 class PromptState:
@@ -161,12 +165,13 @@ class PromptState:
             return
         missing = [layer for layer in self.layers if not layer.captured()]
         if missing:
-            names = ", ".join(f"layer {m.layer_idx} {type(m).name} ({type(m.mixer).__name__})" for m in missing[:6])
+            layers = tuple(f"layer {m.layer_idx} {type(m).name} ({type(m.mixer).__name__})" for m in missing)
             raise UnpreparedModelError(
-                f"The capture left no prompt state for {names}: their forward did not reach LongStraw (an attention "
-                "implementation other than 'longstraw', or a mixer that bypasses transformers' AttentionInterface / "
-                "Cache API). Scoring would silently ignore the prompt. Use LongStrawGRPOTrainer, which prepares the "
-                "model, or call trl_longstraw.engine.prepare_model(model)."
+                f"The capture left no prompt state for {', '.join(layers[:6])}: their forward did not reach LongStraw "
+                "(an attention implementation other than 'longstraw', or a mixer that bypasses transformers' "
+                "AttentionInterface / Cache API). Scoring would silently ignore the prompt. Use LongStrawGRPOTrainer, "
+                "which prepares the model, or call trl_longstraw.engine.prepare_model(model).",
+                layers,
             )
 
     def check_fresh(self, weights_version: tuple[int, int]) -> None:
@@ -268,8 +273,9 @@ class StateAccess(Cache):
         if id(mixer) in self.visited:
             raise UnsupportedModelError(
                 f"Layer {getattr(mixer, 'layer_idx', '?')} ({type(mixer).__name__}) ran more than once in one forward "
-                "(a model that loops over some of its layers): LongStraw keeps one prompt state per decoder layer, "
-                "written once. Train this model with GRPOTrainer."
+                "(a model that loops over some of its layers), or called the attention function more than once "
+                "(DiffLlama's differential attention). "
+                "LongStraw keeps one prompt state per decoder layer, written once. Train this model with GRPOTrainer."
             )
         self.visited.add(id(mixer))
 
