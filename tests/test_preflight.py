@@ -58,3 +58,19 @@ def test_an_attention_called_twice_per_layer_is_refused_at_construction(tokenize
 def test_an_attention_with_a_dynamic_mask_is_refused_from_its_config():
     with pytest.raises(UnsupportedModelError, match=r"Layer 0 \(DogeAttention\) hands the attention function a dyn"):
         check_supported(AutoConfig.for_model("doge", **TINY))
+
+
+def test_the_probes_leave_nf4_weights_as_training_needs_them(tokenizer, prompt_dataset, tmp_path):
+    """bitsandbytes repacks NF4 weights for inference at the first eval-mode forward on a CPU with AVX512-BF16, and its
+    repacked matmul has no backward: the probes run in training mode, so construction repacks nothing."""
+    import bitsandbytes as bnb
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    build_model("qwen3").save_pretrained(tmp_path / "base")
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=nf4)  # in eval mode
+    lora = LoraConfig(r=4, target_modules="all-linear")
+    trainer = make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path / "run", peft_config=lora)
+    states = [m.weight.quant_state for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert states and not any(getattr(state, "packing_format_for_cpu", False) for state in states)

@@ -15,6 +15,9 @@ Two questions that neither the config nor the modules answer:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -24,6 +27,19 @@ from .state.registry import text_config
 
 PROBE_TOKENS = 3  # real tokens of the probes' row
 PROBE_PADDING = 2  # left padding of the positions probe's row
+
+
+@contextlib.contextmanager
+def _training_mode(model: nn.Module) -> Iterator[None]:
+    """The probes run as the update does, in training mode (the trainer has checked that no dropout is active), then
+    the model's mode is restored. Not in eval mode: bitsandbytes repacks NF4 weights for inference at the first
+    eval-mode forward on a CPU with AVX512-BF16, and its repacked matmul has no backward."""
+    training = model.training
+    model.train()
+    try:
+        yield
+    finally:
+        model.train(training)
 
 
 def _probe_tokens(model: nn.Module) -> torch.Tensor:
@@ -45,14 +61,10 @@ def positions_follow_mask(model: nn.Module) -> bool:
     padding = torch.zeros((1, PROBE_PADDING), dtype=tokens.dtype, device=tokens.device)
     mask = torch.cat([torch.zeros_like(padding), torch.ones_like(tokens)], dim=1)
     positions = torch.arange(PROBE_TOKENS, device=tokens.device)[None]
-    training = model.training
-    model.eval()
-    try:
+    with _training_mode(model):
         stock = model(input_ids=torch.cat([padding, tokens], dim=1), attention_mask=mask, use_cache=False)
         by_index = model(input_ids=tokens, position_ids=positions + PROBE_PADDING, use_cache=False)
         by_count = model(input_ids=tokens, position_ids=positions, use_cache=False)
-    finally:
-        model.train(training)
     want = stock.logits[0, PROBE_PADDING:].float()
     index_error = (by_index.logits[0].float() - want).abs().max().item()
     count_error = (by_count.logits[0].float() - want).abs().max().item()
@@ -64,7 +76,8 @@ def check_reaches_prompt_state(model: nn.Module) -> None:
     state once. Raises `UnsupportedModelError` naming the layer otherwise."""
     engine = LongStrawEngine(prefill_chunk_size=PROBE_TOKENS, attention_chunk_size=PROBE_TOKENS)
     try:
-        engine.capture(model, _probe_tokens(model), first_position=0)
+        with _training_mode(model):
+            engine.capture(model, _probe_tokens(model), first_position=0)
     except UnpreparedModelError as error:
         raise UnsupportedModelError(
             f"{', '.join(error.layers)}: a capture of {PROBE_TOKENS} tokens at construction left no prompt state "
