@@ -57,7 +57,7 @@ class DetachedReferenceTrainer(GRPOTrainer):
             positions = torch.arange(first, first + prompt.numel() + logits_to_keep)
             cache = DynamicCache(config=model.config)
             with torch.no_grad():
-                prefill = model.model(
+                prefill = model.base_model(
                     input_ids=prompt[None, :-1],
                     position_ids=positions[None, : prompt.numel() - 1],
                     cache=cache,
@@ -65,7 +65,7 @@ class DetachedReferenceTrainer(GRPOTrainer):
                     **({"output_router_logits": True} if compute_aux_loss else {}),
                 )
             if compute_aux_loss:  # the row's prompt, then its last prompt token and whole completion
-                whole = model.model(
+                whole = model.base_model(
                     input_ids=torch.cat([prompt[-1:], completion])[None],
                     position_ids=positions[None, prompt.numel() - 1 :],
                     cache=replayable_copy(cache),

@@ -74,3 +74,15 @@ def test_the_probes_leave_nf4_weights_as_training_needs_them(tokenizer, prompt_d
     trainer = make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path / "run", peft_config=lora)
     states = [m.weight.quant_state for m in trainer.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert states and not any(getattr(state, "packing_format_for_cpu", False) for state in states)
+
+
+def test_a_decoder_that_counts_positions_from_the_cache_is_refused_at_construction(
+    tokenizer, prompt_dataset, tmp_path
+):
+    """BART's decoder numbers positions from the cache's length and ignores `position_ids`: scored from a capture,
+    its completion tokens would sit at position 0. The pre-flight's level 2 refuses it, with the difference."""
+    model = tiny_model(
+        "bart", d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128, dropout=0.0
+    )
+    with pytest.raises(UnsupportedModelError, match=r"BartForCausalLM: the log-probs LongStraw scores .* differ"):
+        make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path)

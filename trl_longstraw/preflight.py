@@ -11,6 +11,10 @@ Two questions that neither the config nor the modules answer:
   attention kwargs to its attention (StableLM's) never reaches it; an attention that calls the attention function
   twice (DiffLlama's differential attention) reaches it twice. Both are found by a capture of a few tokens
   (`check_reaches_prompt_state`) and refused at construction, naming the layer.
+- **Do the log-probs scored from a capture equal the model's own forward?** Ladder level 2 on a few tokens
+  (`check_scores_match_own_forward`): a model whose layers compute something LongStraw does not reproduce (positions
+  counted from the cache's length instead of `position_ids`, as BART-family decoders count them) is refused at
+  construction instead of training on wrong log-probs.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from .state.registry import text_config
 
 PROBE_TOKENS = 3  # real tokens of the probes' row
 PROBE_PADDING = 2  # left padding of the positions probe's row
+PROBE_COMPLETION = 3  # completion tokens the scores probe scores
+# Largest |log-prob difference| the scores probe accepts: rounding of the model's dtype (fp32 agrees to ~1e-6).
+SCORE_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3, torch.bfloat16: 1e-1, torch.float16: 5e-2}
 
 
 @contextlib.contextmanager
@@ -42,10 +49,10 @@ def _training_mode(model: nn.Module) -> Iterator[None]:
         model.train(training)
 
 
-def _probe_tokens(model: nn.Module) -> torch.Tensor:
+def _probe_tokens(model: nn.Module, count: int = PROBE_TOKENS) -> torch.Tensor:
     vocab_size = text_config(model.config).vocab_size
     device = next(model.parameters()).device
-    return (torch.arange(PROBE_TOKENS, device=device) * 7 + 3) % vocab_size
+    return (torch.arange(count, device=device) * 7 + 3) % vocab_size
 
 
 @torch.no_grad()
@@ -80,8 +87,40 @@ def check_reaches_prompt_state(model: nn.Module) -> None:
             engine.capture(model, _probe_tokens(model), first_position=0)
     except UnpreparedModelError as error:
         raise UnsupportedModelError(
-            f"{', '.join(error.layers)}: a capture of {PROBE_TOKENS} tokens at construction left no prompt state "
-            "there, so scoring would ignore the prompt. The decoder layer must hand the forward's attention kwargs to "
-            "its attention (StableLM's decoder layer drops them), and the attention must call transformers' "
-            "AttentionInterface and Cache API. Train this model with GRPOTrainer."
+            f"{', '.join(error.layers)}: a capture of {PROBE_TOKENS} tokens at construction did not reach the prompt "
+            "state there as its state kind expects, so scoring would ignore the prompt. The decoder layer must hand "
+            "the forward's attention kwargs to its attention (StableLM's decoder layer drops them), and the mixer "
+            "must call transformers' AttentionInterface and Cache API as its kind expects. Train this model with "
+            "GRPOTrainer."
         ) from error
+
+
+@torch.no_grad()
+def check_scores_match_own_forward(model: nn.Module) -> None:
+    """Ladder level 2 on a few tokens: the completion log-probs scored from a capture (in one-token chunks, so that
+    later chunks and the completion continue after earlier ones) must equal those of the model's own forward of the
+    whole sequence (TRL's fused LM head on both sides). Raises `UnsupportedModelError` with the difference otherwise.
+    The model must carry TRL's fused LM head (`add_fused_lm_head`, as GRPOTrainer adds it)."""
+    ids = _probe_tokens(model, PROBE_TOKENS + PROBE_COMPLETION)
+    prompt, completion = ids[:PROBE_TOKENS], ids[PROBE_TOKENS:]
+    engine = LongStrawEngine(prefill_chunk_size=1, attention_chunk_size=PROBE_TOKENS)
+    with _training_mode(model):
+        labels = ids[None].clone()
+        labels[:, :PROBE_TOKENS] = -100
+        own = model(input_ids=ids[None], labels=labels, fused_lm_head=True, use_cache=False).log_probs[
+            0, -len(completion) :
+        ]
+        state = engine.capture(model, prompt, first_position=0)
+        lengths = torch.tensor([len(completion)])
+        scored, _ = engine.score(model, state, prompt[-1:], completion[None], lengths, batch_size=1)
+    difference = (scored[0].float() - own.float()).abs().max().item()
+    dtype = next(model.parameters()).dtype
+    tolerance = SCORE_TOLERANCE.get(dtype, SCORE_TOLERANCE[torch.bfloat16])
+    if not difference <= tolerance:
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: the log-probs LongStraw scores from a captured prompt differ from the model's "
+            f"own forward by {difference:.3g} (tolerance {tolerance:g} in {dtype}) on {PROBE_TOKENS} prompt and "
+            f"{PROBE_COMPLETION} completion tokens: its layers compute something LongStraw does not reproduce (e.g. "
+            "positions counted from the cache's length instead of position_ids, as BART-family decoders count them). "
+            "Train this model with GRPOTrainer."
+        )

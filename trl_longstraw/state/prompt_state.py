@@ -120,7 +120,8 @@ class PromptState:
                 return layer
         raise UnpreparedModelError(
             f"Layer {layer_idx} made a {role!r} call of the Cache API, which no state kind of its layer plan serves: "
-            "the model's layer types and its modules disagree."
+            "the model's layer types and its modules disagree.",
+            (f"layer {layer_idx} (a {role!r} call of the Cache API that no state kind of its layer serves)",),
         )
 
     def attention(
