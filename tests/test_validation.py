@@ -402,3 +402,17 @@ def test_load_balancing_loss_without_an_expert_count_is_refused_at_construction(
 def test_activation_checkpointing_is_off_by_default_and_still_honoured(tmp_path):
     assert trainer_args(LongStrawGRPOConfig, tmp_path).activation_checkpointing is False
     assert trainer_args(LongStrawGRPOConfig, tmp_path, gradient_checkpointing=True).activation_checkpointing is True
+
+
+def test_a_vision_tower_as_deep_as_the_text_model_is_not_taken_for_the_decoder():
+    """Gemma 3's vision tower and text model with 2 layers each: the layer plan maps the text decoder's layers."""
+    from trl_longstraw.state import plan_layers
+
+    config = AutoConfig.for_model("gemma3")
+    text, vision = config.text_config, config.vision_config
+    for tower in (text, vision):
+        tower.hidden_size, tower.intermediate_size, tower.num_hidden_layers, tower.num_attention_heads = 64, 128, 2, 4
+    text.num_key_value_heads, text.head_dim, text.vocab_size, text.sliding_window = 2, 16, 300, 6
+    text.layer_types = ["sliding_attention", "full_attention"]
+    plans = plan_layers(AutoModelForCausalLM.from_config(config))
+    assert [type(mixer).__name__ for plan in plans for _, mixer in plan.kinds] == ["Gemma3Attention"] * 2

@@ -19,6 +19,7 @@ routes through transformers' `AttentionInterface`; [`plan_layers`] says which la
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
@@ -341,13 +342,18 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         raise UnsupportedModelError(
             f"{type(model).__name__}: its config has no num_hidden_layers, so LongStraw cannot map decoder layers."
         )
-    backbone = getattr(model, "base_model", model)
-    layers = getattr(backbone, "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
-        return layers
-    for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
-            return module
+    # The text decoder first (`get_decoder`): a multimodal model's vision tower may have as many layers.
+    decoder = model
+    with contextlib.suppress(Exception):  # transformers raises for the few models it has no rule for
+        decoder = model.get_decoder()
+    for owner in (decoder, getattr(model, "base_model", model)):
+        layers = getattr(owner, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
+            return layers
+    for root in (decoder, model):
+        for module in root.modules():
+            if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+                return module
     raise UnsupportedModelError(
         f"{type(model).__name__}: no module list of num_hidden_layers={num_layers} decoder layers was found, so "
         "LongStraw cannot map layers to prompt state."
