@@ -9,12 +9,12 @@ Two questions that neither the config nor the modules answer:
   positions stock's forward gives them (`positions_follow_mask`).
 - **Does every layer reach the prompt state, once per forward?** A decoder layer that does not hand the forward's
   attention kwargs to its attention (StableLM's) never reaches it; an attention that calls the attention function
-  twice (DiffLlama's differential attention) reaches it twice. Both are found by a capture of a few tokens
-  (`check_reaches_prompt_state`) and refused at construction, naming the layer.
-- **Do the log-probs scored from a capture equal the model's own forward?** Ladder level 2 on a few tokens
-  (`check_scores_match_own_forward`): a model whose layers compute something LongStraw does not reproduce (positions
-  counted from the cache's length instead of `position_ids`, as BART-family decoders count them) is refused at
-  construction instead of training on wrong log-probs.
+  twice (DiffLlama's differential attention) reaches it twice. Both are found by a capture of a few tokens and
+  refused at construction, naming the layer.
+- **Do the log-probs scored from that capture equal the model's own forward?** Ladder level 2 on a few tokens: a
+  model whose layers compute something LongStraw does not reproduce (positions counted from the cache's length
+  instead of `position_ids`, as BART-family decoders count them) is refused at construction instead of training on
+  wrong log-probs. One capture answers both (`check_capture_matches_own_forward`).
 """
 
 from __future__ import annotations
@@ -78,29 +78,13 @@ def positions_follow_mask(model: nn.Module) -> bool:
     return index_error > 1e-3 * (1.0 + want.abs().max().item()) and count_error < index_error / 10
 
 
-def check_reaches_prompt_state(model: nn.Module) -> None:
-    """Capture a few tokens with the prepared `model` (no collectives, no autograd): every layer must write its prompt
-    state once. Raises `UnsupportedModelError` naming the layer otherwise."""
-    engine = LongStrawEngine(prefill_chunk_size=PROBE_TOKENS, attention_chunk_size=PROBE_TOKENS)
-    try:
-        with _training_mode(model):
-            engine.capture(model, _probe_tokens(model), first_position=0)
-    except UnpreparedModelError as error:
-        raise UnsupportedModelError(
-            f"{', '.join(error.layers)}: a capture of {PROBE_TOKENS} tokens at construction did not reach the prompt "
-            "state there as its state kind expects, so scoring would ignore the prompt. The decoder layer must hand "
-            "the forward's attention kwargs to its attention (StableLM's decoder layer drops them), and the mixer "
-            "must call transformers' AttentionInterface and Cache API as its kind expects. Train this model with "
-            "GRPOTrainer."
-        ) from error
-
-
 @torch.no_grad()
-def check_scores_match_own_forward(model: nn.Module) -> None:
-    """Ladder level 2 on a few tokens: the completion log-probs scored from a capture (in one-token chunks, so that
-    later chunks and the completion continue after earlier ones) must equal those of the model's own forward of the
-    whole sequence (TRL's fused LM head on both sides). Raises `UnsupportedModelError` with the difference otherwise.
-    The model must carry TRL's fused LM head (`add_fused_lm_head`, as GRPOTrainer adds it)."""
+def check_capture_matches_own_forward(model: nn.Module) -> None:
+    """Ladder level 2 on a few tokens, with the prepared `model` (no collectives): a capture (in one-token chunks, so
+    that later chunks and the completion continue after earlier ones) must write every layer's prompt state once, and
+    the completion log-probs scored from it must equal those of the model's own forward of the whole sequence (TRL's
+    fused LM head on both sides). Raises `UnsupportedModelError` naming the layer or the difference otherwise. The
+    model must carry TRL's fused LM head (`add_fused_lm_head`, as GRPOTrainer adds it)."""
     ids = _probe_tokens(model, PROBE_TOKENS + PROBE_COMPLETION)
     prompt, completion = ids[:PROBE_TOKENS], ids[PROBE_TOKENS:]
     engine = LongStrawEngine(prefill_chunk_size=1, attention_chunk_size=PROBE_TOKENS)
@@ -110,7 +94,16 @@ def check_scores_match_own_forward(model: nn.Module) -> None:
         own = model(input_ids=ids[None], labels=labels, fused_lm_head=True, use_cache=False).log_probs[
             0, -len(completion) :
         ]
-        state = engine.capture(model, prompt, first_position=0)
+        try:
+            state = engine.capture(model, prompt, first_position=0)
+        except UnpreparedModelError as error:
+            raise UnsupportedModelError(
+                f"{', '.join(error.layers)}: a capture of {PROBE_TOKENS} tokens at construction did not reach the "
+                "prompt state there as its state kind expects, so scoring would ignore the prompt. The decoder layer "
+                "must hand the forward's attention kwargs to its attention (StableLM's decoder layer drops them), and "
+                "the mixer must call transformers' AttentionInterface and Cache API as its kind expects. Train this "
+                "model with GRPOTrainer."
+            ) from error
         lengths = torch.tensor([len(completion)])
         scored, _ = engine.score(model, state, prompt[-1:], completion[None], lengths, batch_size=1)
     difference = (scored[0].float() - own.float()).abs().max().item()

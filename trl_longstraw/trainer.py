@@ -44,7 +44,7 @@ from .distributed import average_gradients
 from .engine import ensure_finite, non_finite_error, stock_attention, weights_version
 from .load_balancing import moe_routing
 from .loss import member_backward, replayed_scores
-from .preflight import check_reaches_prompt_state, check_scores_match_own_forward, positions_follow_mask
+from .preflight import check_capture_matches_own_forward, positions_follow_mask
 from .rollout import (
     PromptRows,
     UnsupportedRolloutError,
@@ -268,8 +268,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 self.accelerator.unwrap_model(policy_or_ref).set_attn_implementation(ATTENTION_IMPLEMENTATION)
         # Pre-flight (preflight.py): every layer reaches the prompt state, the scores from a capture are the model's
         # own, and how the model numbers positions.
-        check_reaches_prompt_state(self._causal_lm(self.model))
-        check_scores_match_own_forward(self._causal_lm(self.model))
+        check_capture_matches_own_forward(self._causal_lm(self.model))
         self._positions_follow_mask = positions_follow_mask(self._causal_lm(self.model))
         state_device = None if args.prompt_state_device == "auto" else torch.device(args.prompt_state_device)
         # Context parallelism (the context_parallel package): None, or this rank's CP group.
