@@ -40,8 +40,9 @@ OLD_ALLOWLIST = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5_text", "glm_moe_
 NOISE_FIELDS = ("attention_dropout", "router_jitter_noise", "input_jitter_noise")  # per-forward noise: refused
 NOTE = (
     "`accepted` means the state-kind registry maps every decoder layer of the default-config skeleton and the "
-    "accounting runs; it is not a parity test (only the families of `trl_longstraw.embedded.FAMILIES` are verified "
-    "against stock GRPO)."
+    "accounting runs. It is not itself a parity test: the conformance run (`benchmarks/conformance.py`, "
+    "`benchmarks/results/conformance.md`) then verifies every accepted type against stock GRPO or refuses it at "
+    "construction, naming the reason."
 )
 
 

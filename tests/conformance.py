@@ -13,9 +13,9 @@ the rules are the constants below, applied to whichever of the fields the config
 
 A type is `verified` (with its errors; `verified, exact mode` where transformers' own cached forward disagrees with
 its full forward, so that the detached reference is no reference), `refused` (with the reason: by the registry on the tiny config, or by the
-trainer's pre-flight), or `not built` (transformers itself could not build the tiny config or run its own forward on
-it: the shrinking does not fit that type). `tests/test_conformance.py` asserts that no accepted type is anything else;
-`benchmarks/conformance.py` writes the table.
+trainer's pre-flight). Anything else fails `tests/test_conformance.py`: `wrong` (LongStraw differs from stock) and
+`not built` (transformers itself could not build the tiny config or run its own forward on it: the shrinking must fit
+every accepted type). `benchmarks/conformance.py` writes the table.
 """
 
 from __future__ import annotations
@@ -76,6 +76,10 @@ TOKENS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
 SET_EVEN_IF_NONE = {"num_experts_per_tok": 2, "n_group": 1, "topk_group": 1}
 # Per-forward noise, and the load-balancing loss (tested on its own: tests/test_load_balancing.py), off.
 NO_NOISE = ("router_jitter_noise", "input_jitter_noise", "router_aux_loss_coef")
+# Layer kinds a default config leaves out that the type's checkpoints have: added at the last tiny layer
+# (GraniteMoeHybrid's default is Mamba throughout; Granite 4.0-H interleaves attention).
+ADDED_LAYER_TYPES = {"granitemoehybrid": "full_attention"}
+MLA_WIDTH = ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim")
 MAX_SCORE_ERROR, MAX_GRAD_ERROR = 1e-4, 1e-4  # level 2 (log-probs) and level 4 (relative, per tensor)
 EXACT_ONLY = "verified, exact mode"  # the detached reference is unusable for the type (transformers' cache path)
 
@@ -101,11 +105,18 @@ def tiny_config(model_type: str):
     LAYERS layers (per-layer lists cut to
     their first LAYERS entries), no dropout or routing noise, a sliding window of 6, MLA's key heads equal to its query
     heads, Mamba heads that tile `expand x hidden`, one group of experts and of SSM heads, no load-balancing loss, token ids within the
-    tiny vocabulary."""
+    tiny vocabulary. A heterogeneous config's per-layer overrides (Gemma 4's wider full-attention heads, Dots 3 Note's
+    sliding MLA layers) keep their ratio to the global value and follow their layer type (`_shrunk_per_layer`); a layer
+    kind the default config leaves out (`ADDED_LAYER_TYPES`) takes the last tiny layer."""
     config = AutoConfig.for_model(model_type)
+    text = config.get_text_config()
+    per_layer = _per_layer_overrides(text)  # a heterogeneous config: shrunk globally first, then per layer
     for sub in vars(config).values():  # a multimodal model's other towers (vision, audio): smaller still, and of
         if isinstance(sub, PretrainedConfig) and sub is not config.get_text_config():  # another depth than the text's
+            tower_per_layer = _per_layer_overrides(sub)
             _shrink_sizes(sub, layers=OTHER_TOWER_LAYERS)
+            if tower_per_layer:
+                sub.per_layer_config = _shrunk_per_layer(sub, *tower_per_layer, layers=OTHER_TOWER_LAYERS)
     text = config.get_text_config()
     layers = next((getattr(text, key) for key in LAYER_COUNTS if isinstance(getattr(text, key, None), int)), None)
     _shrink_sizes(text)
@@ -140,6 +151,7 @@ def tiny_config(model_type: str):
             )
             if t not in kept
         ]
+        missing += [ADDED_LAYER_TYPES[model_type]] if model_type in ADDED_LAYER_TYPES else []
         for position, layer_type in zip(range(len(kept) - 1, 0, -1), missing, strict=False):
             kept[position] = layer_type
     if getattr(text, "sliding_window", None):
@@ -147,7 +159,44 @@ def tiny_config(model_type: str):
     for key, value in TOKENS.items():
         with contextlib.suppress(Exception):  # a config whose field is typed otherwise keeps its own
             setattr(text, key, value)
+    if per_layer:
+        text.per_layer_config = _shrunk_per_layer(text, *per_layer)
     return config
+
+
+def _per_layer_overrides(text) -> tuple[dict, dict, list] | None:
+    """A heterogeneous config's per-layer overrides, its global values of those fields and its layer types, with the
+    overrides taken off (so that the global values shrink like any config's); None for a homogeneous config."""
+    spec = getattr(text, "_heterogeneity_spec", None)
+    if spec is None:
+        return None
+    overrides = {index: dict(fields) for index, fields in spec.per_layer_overrides.items()}
+    text.per_layer_config = None
+    fields = spec.per_layer_attributes | {field for field in MLA_WIDTH if getattr(text, field, None) is not None}
+    globals_ = {field: getattr(text, field) for field in fields}
+    return overrides, globals_, list(getattr(text, "layer_types", None) or [])
+
+
+def _shrunk_per_layer(text, overrides: dict, globals_: dict, default_layer_types: list, layers: int = LAYERS) -> dict:
+    """Per-layer overrides for the tiny config: each override keeps its ratio to the field's global value (Gemma 4's
+    full-attention layers twice the head width of its sliding ones), and a tiny layer takes the override of the first
+    default layer of its type (of its own index where the config has no layer types)."""
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    shrunk = {}
+    for index in range(layers):
+        source = index
+        if layer_types and default_layer_types:
+            source = default_layer_types.index(layer_types[index])
+        fields = overrides.get(source, {})
+        shrunk[index] = {
+            field: max(1, round(value * getattr(text, field) / globals_[field])) for field, value in fields.items()
+        }
+        if len(globals_.keys() & set(MLA_WIDTH)) == len(MLA_WIDTH):  # a layer whose head is MLA's nope + rope parts
+            width = {field: fields.get(field, globals_[field]) for field in MLA_WIDTH}  # stays so (Dots 3 Note)
+            if width["head_dim"] == width["qk_nope_head_dim"] + width["qk_rope_head_dim"]:
+                tiny = {field: shrunk[index].get(field, getattr(text, field)) for field in MLA_WIDTH[1:]}
+                shrunk[index]["head_dim"] = sum(tiny.values())
+    return {index: fields for index, fields in shrunk.items() if fields}
 
 
 def _shrink_sizes(config, layers: int = LAYERS) -> None:
@@ -163,12 +212,17 @@ def _shrink_sizes(config, layers: int = LAYERS) -> None:
 def _fresh_model_factory(model_type: str, root):
     """`run_pair`'s model factory: the tiny model saved to disk and reloaded (TRL builds the reference from its path)."""
 
+    built = {}  # the class AutoModelForCausalLM picks for the full config: it reloads the model (Mllama's and Emu3's
+    # text-only class has a config type AutoModelForCausalLM does not map)
+
     def fresh_model(model_type: str = model_type, dtype: torch.dtype = torch.float32, **_):
         path = root / "model"
         if not path.exists():
             torch.manual_seed(0)
-            AutoModelForCausalLM.from_config(tiny_config(model_type)).save_pretrained(path)
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+            model.save_pretrained(path)
+            built["class"] = type(model)
+        return built["class"].from_pretrained(path, dtype=dtype)
 
     return fresh_model
 
@@ -176,7 +230,7 @@ def _fresh_model_factory(model_type: str, root):
 def level2_error(model: torch.nn.Module) -> float:
     """Largest |log-prob difference| between capture + score and the model's own forward (`test_families`' level 2,
     against the model's default attention rather than eager, which some of these types do not implement)."""
-    reference = AutoModelForCausalLM.from_config(model.config)
+    reference = type(model)._from_config(model.config)
     reference.load_state_dict(model.state_dict())
     add_fused_lm_head(reference, outputs=("log_probs", "entropy"))
     model = prepared(model)
@@ -247,18 +301,3 @@ def detached_reference_is_stocks(fresh_model, tokenizer, dataset, root) -> bool:
         except Exception:  # noqa: BLE001  (transformers' cached forward of this type fails)
             return False
     return ((reference - stock) * inputs["completion_mask"]).abs().max().item() <= 1e-5
-
-
-# Accepted types whose default config this shrinking cannot turn into a tiny model transformers builds and runs
-# (the reason, as transformers raises it). Not verified: `tests/test_conformance.py` fails when this list is wrong.
-NOT_BUILT = {
-    "granitemoehybrid": "its default config has no attention layer, and transformers' mask needs one in the cache",
-    "dots3_note": "per-layer configs: num_attention_heads has no global value to shrink",
-    "dots3_note_text": "per-layer configs: num_attention_heads has no global value to shrink",
-    "gemma4": "per-layer configs: head_dim has no global value to shrink",
-    "gemma4_text": "per-layer configs: head_dim has no global value to shrink",
-    "gemma4_unified": "per-layer configs: head_dim has no global value to shrink",
-    "gemma4_unified_text": "per-layer configs: head_dim has no global value to shrink",
-    "mllama": "AutoModelForCausalLM has no class for its text config",
-    "emu3": "AutoModelForCausalLM has no class for its text config",
-}

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, Llama4TextConfig
 from trl.trainer.utils import add_fused_lm_head
 
 from trl_longstraw.embedded import build_model
-from trl_longstraw.engine import LongStrawEngine, NonFiniteError, prepare_model
+from trl_longstraw.engine import LongStrawEngine, NonFiniteError, prepare_model, weights_version
 from trl_longstraw.state import (
     AttentionPages,
     LatentPages,
@@ -130,6 +130,24 @@ def test_stale_state_is_refused(optimizer):
     step.step()
     with pytest.raises(StaleStateError, match="Capture the prompt again"):
         engine.replay(model, state, prompt[-1:], completions[0], int(lengths[0]))
+
+
+def test_lora_on_fused_experts_leaves_the_weights_version_where_its_values_are():
+    """PEFT's LoRA on parameters (fused MoE experts) re-parametrizes them in every forward, bumping the frozen base
+    parameters' version counters: no staleness; a write to a LoRA value still is one."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        build_model("gpt_oss"), LoraConfig(target_parameters=["mlp.experts.down_proj", "mlp.experts.gate_up_proj"])
+    )
+    before = weights_version(model)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[2, 3, 4]]))
+    assert weights_version(model) == before
+    lora_b = next(p for name, p in model.named_parameters() if "lora_B" in name)
+    with torch.no_grad():
+        lora_b.add_(1.0)
+    assert weights_version(model) != before
 
 
 def test_non_finite_prompt_state_is_reported_at_capture():

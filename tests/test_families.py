@@ -191,3 +191,13 @@ def test_forwards_without_prompt_state_run_as_stock(family):
         want, _ = full_forward(eager, prompt, completions, lengths, offset=2)
         got, _ = full_forward(model, prompt, completions, lengths, offset=2)
     assert (got - want).abs().max() <= 1e-5
+
+
+def test_a_sliding_window_mla_layer_reads_only_its_window():
+    # Dots 3 Note's sliding layers are MLA layers with a window (6 in the tiny config; the prompt is 29 tokens).
+    from .conformance import level2_error, tiny_config
+
+    config = tiny_config("dots3_note_text")
+    assert "sliding_attention" in config.layer_types and config.sliding_window < 29
+    torch.manual_seed(0)
+    assert level2_error(AutoModelForCausalLM.from_config(config)) < 1e-5

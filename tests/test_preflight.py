@@ -86,3 +86,12 @@ def test_a_decoder_that_counts_positions_from_the_cache_is_refused_at_constructi
     )
     with pytest.raises(UnsupportedModelError, match=r"BartForCausalLM: the log-probs LongStraw scores .* differ"):
         make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path)
+
+
+def test_a_model_whose_own_forward_grpo_cannot_run_is_refused_at_construction(tokenizer, prompt_dataset, tmp_path):
+    # MllamaForCausalLM's forward returns no last_hidden_state for TRL's fused LM head: stock fails too.
+    from .conformance import tiny_config
+
+    model = AutoModelForCausalLM.from_config(tiny_config("mllama"))
+    with pytest.raises(UnsupportedModelError, match=r"MllamaForCausalLM: its own forward, as GRPOTrainer runs it"):
+        make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path)

@@ -77,9 +77,29 @@ def weights_version(model: nn.Module) -> tuple[int, int]:
     The version counters (what autograd uses to detect in-place modification of saved tensors) catch every in-place
     writer that goes through autograd's view of the tensor (SGD, foreach and single-tensor AdamW, `copy_` syncs); the
     global optimizer-step count catches the fused optimizers, which bypass them (TRL's default, `adamw_torch_fused`).
-    Writes through `.data` bypass both: do not write weights that way between a capture and its replays.
+    Writes through `.data` bypass both: do not write weights that way between a capture and its replays. The counters
+    of parameters PEFT re-parametrizes in every forward (`_reparametrized_each_forward`) are no signal and not summed.
     """
-    return _optimizer_steps, sum(p._version for p in model.parameters())
+    skipped = _reparametrized_each_forward(model)
+    return _optimizer_steps, sum(p._version for p in model.parameters() if id(p) not in skipped)
+
+
+def _reparametrized_each_forward(model: nn.Module) -> set[int]:
+    """Ids of the base parameters under PEFT's LoRA on parameters (`LoraConfig(target_parameters=...)`, e.g. fused MoE
+    experts): its `ParamWrapper` registers a parametrization around the parameter in every forward and removes it
+    after, which bumps the parameter's version counter without changing its values. The LoRA values themselves are
+    parameters of their own and stay counted."""
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:  # PEFT absent: nothing wraps parameters
+        return set()
+    wrapped = set()
+    for module in model.modules():
+        if isinstance(module, ParamWrapper):
+            parameter = getattr(module.get_base_layer(), module.parameter_name, None)
+            if isinstance(parameter, nn.Parameter):
+                wrapped.add(id(parameter))
+    return wrapped
 
 
 def prepare_model(model: nn.Module) -> nn.Module:

@@ -91,9 +91,16 @@ def check_capture_matches_own_forward(model: nn.Module) -> None:
     with _training_mode(model):
         labels = ids[None].clone()
         labels[:, :PROBE_TOKENS] = -100
-        own = model(input_ids=ids[None], labels=labels, fused_lm_head=True, use_cache=False).log_probs[
-            0, -len(completion) :
-        ]
+        try:
+            own = model(input_ids=ids[None], labels=labels, fused_lm_head=True, use_cache=False).log_probs[
+                0, -len(completion) :
+            ]
+        except Exception as error:  # any failure of the model's own forward: re-raised, named
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: its own forward, as GRPOTrainer runs it (TRL's fused LM head), fails on "
+                f"{len(ids)} tokens ({type(error).__name__}: {error}), so GRPOTrainer cannot train it either. Train "
+                "its full model class, or one whose forward TRL's fused LM head supports."
+            ) from error
         try:
             state = engine.capture(model, prompt, first_position=0)
         except UnpreparedModelError as error:

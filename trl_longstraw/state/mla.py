@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import CAUSAL, KeyBlock
+from ..attention import KeyBlock, Visibility
 from .placement import Pages, page_bytes
 from .registry import LayerAccount, LayerState, find_child
 
@@ -94,13 +94,17 @@ class LatentPages(LayerState):
     def tensors(self) -> list[torch.Tensor]:
         return self.pages.tensors()
 
-    def attend(self, access, query, key, value, scaling, indices=None, **_):
-        """Absorbed MLA of this forward's tokens over the latent pages and over themselves, as one softmax."""
+    def attend(self, access, query, key, value, scaling, indices=None, sliding_window=None, **_):
+        """Absorbed MLA of this forward's tokens over the latent pages and over themselves, as one softmax (within
+        the layer's window on a sliding layer: Dots 3 Note's)."""
         module = self.mixer
         own_keys = access.own_entries(self, "latent", self.own_latents(access), dim=1)  # decoding: earlier ones first
         absorbed, values = absorb(module, query)
         own_values = own_keys[..., : module.kv_lora_rank]
-        out = access.state.attention(access, self, absorbed, own_keys, own_values, scaling, CAUSAL, indices=indices)
+        visibility = self.visibility(sliding_window)
+        out = access.state.attention(
+            access, self, absorbed, own_keys, own_values, scaling, visibility, indices=indices
+        )
         self.keep(access, key, value, latents=own_keys)
         return values(out)
 
@@ -115,7 +119,7 @@ class LatentPages(LayerState):
         return (block,), (data, data[..., : self.mixer.kv_lora_rank])  # the values are the latents' first columns
 
     def visibility(self, sliding_window):
-        return CAUSAL
+        return Visibility(sliding_window)
 
     def accumulate_page_gradients(self, d_keys, d_values):
         self.pages.accumulate_grad(d_keys)
