@@ -90,8 +90,9 @@ def build_prepared_model(args, min_positions: int):
 
 
 def point(args, torch, model, prompt_length: int) -> dict:
-    from trl_longstraw.accounting import prompt_state_bytes
+    from trl_longstraw.accounting import UpdateSetup, prompt_state_bytes
     from trl_longstraw.engine import LongStrawEngine
+    from trl_longstraw.plan import plan_run
 
     device = torch.device(args.device)
     vocab = model.config.get_text_config().vocab_size
@@ -114,12 +115,33 @@ def point(args, torch, model, prompt_length: int) -> dict:
     phases.run("replay", replay)
     dtype_bytes = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     predicted = prompt_state_bytes(model.config, prompt_length - 1, dtype_bytes, args.prompt_state_dtype)
+    plan = plan_run(  # the planner's terms, for the measured peaks beside them (no optimizer runs here)
+        model.config,
+        UpdateSetup(
+            prompt_tokens=prompt_length,
+            completion_tokens=args.completion_length,
+            group_size=args.group_size,
+            lora_rank=None,
+            state_dtype=args.prompt_state_dtype,
+            activation_checkpointing=False,
+            prefill_chunk_size=args.prefill_chunk_size,
+            attention_chunk_size=args.attention_chunk_size,
+            dtype_bytes=dtype_bytes,
+            prompts_per_generation=0,
+        ),
+    )
     record = {
         "P": prompt_length,
         "G": args.group_size,
         "R": args.completion_length,
         "state_gib": state.nbytes() / 2**30,
         "state_gib_predicted": sum(predicted.values()) / 2**30,
+        "plan_gib": {
+            "weights": plan.account.weights.bytes / 2**30,
+            "capture_working_set": plan.account.capture.bytes / 2**30,
+            "replay_working_set": plan.account.replay.bytes / 2**30,
+            "update_peak_with_gradients": (2 * plan.account.weights.bytes + plan.update_peak) / 2**30,
+        },
         "phases": phases.record,
         "total_time_s": sum(entry["time_s"] for entry in phases.record.values()),
     }

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import sys
 import warnings
@@ -36,8 +35,8 @@ sys.path.insert(0, str(HERE))
 
 from state_accounting import GIB, load_config
 
-from trl_longstraw.accounting import UpdateAccount, UpdateSetup, prompt_state_bytes, update_account
-from trl_longstraw.context_parallel import shard_bounds
+from trl_longstraw.accounting import UpdateAccount, UpdateSetup, update_account
+from trl_longstraw.plan import Plan, plan_run, recipe_plan_inputs
 
 ARCHITECTURES = HERE.parent / "configs" / "architectures"
 H200_USABLE_GIB = 131  # 141 GB of HBM3e, about 131 GiB usable by CUDA
@@ -153,129 +152,38 @@ def breakdown(name: str, label: str, account: UpdateAccount) -> str:
     return "\n".join(lines)
 
 
-# State labels (`LayerState.account`) context parallelism shards by sequence, and those it refuses; every other
-# label (gated_deltanet, mamba2: fixed-size recurrent states) is replicated on every rank.
-SHARDED_UNDER_CP = ("full_attention", "mla_latent", "dsa_indexer_keys")
-REFUSED_UNDER_CP = ("chunked_attention",)
+def recipe_entry(path: Path, prompt_tokens: int) -> tuple[str, str, object, UpdateSetup, int]:
+    """(model column, label, config, setup, context_parallel_size) of a recipe YAML at `prompt_tokens` positions, read
+    as `trl-longstraw plan --config` reads it (`trl_longstraw.plan.recipe_plan_inputs`)."""
+    config, name, setup, context_parallel = recipe_plan_inputs(path, prompt_tokens)
+    if setup.lora_rank is None:
+        raise SystemExit(f"{path}: the table's rows are LoRA runs (use_peft: true)")
+    weights = "NF4 QLoRA" if setup.quantization == "nf4" else "bf16 LoRA"
+    checkpointing = "checkpointing" if setup.activation_checkpointing else "no checkpointing"
+    label = f"`{path.name}`: {weights} r{setup.lora_rank}, {checkpointing}"
+    return f"`{name}`", label, config, setup, context_parallel
 
 
-@dataclasses.dataclass(frozen=True)
-class RankAccount:
-    """One context-parallel rank's share of an update: `account` is the whole update on one device (its weights,
-    LoRA, working set and group scalars are every rank's); `sharded` and `replicated` are this rank's state bytes."""
-
-    account: UpdateAccount
-    context_parallel: int
-    sharded: int
-    replicated: int
-    refused: tuple[str, ...]
-
-    @property
-    def state_bytes(self) -> int:
-        return self.sharded + self.replicated
-
-    @property
-    def device_bytes(self) -> int:
-        """The whole update's device bytes with the whole prompt state replaced by this rank's share."""
-        return self.account.device_total(self.state_bytes if self.on_device else 0)
-
-    @property
-    def on_device(self) -> bool:
-        return self.account.setup.state_device == "device"
-
-    @property
-    def host_bytes(self) -> int:
-        return 0 if self.on_device else self.state_bytes
-
-
-def rank_account(config, account: UpdateAccount, context_parallel: int) -> RankAccount:
-    """The largest rank's share of `account`'s prompt state under `context_parallel` ranks (module docstring)."""
-    setup = account.setup
-    captured = setup.prompt_tokens - 1  # all but the last prompt token are captured
-    shard = max(end - start for start, end in shard_bounds(captured, context_parallel))
-    per_shard = prompt_state_bytes(config, shard, setup.dtype_bytes, setup.state_dtype)
-    sharded = sum(n for label, n in per_shard.items() if label in SHARDED_UNDER_CP)
-    replicated = sum(n for label, n in account.state.items() if label not in SHARDED_UNDER_CP)
-    refused = tuple(label for label in account.state if label in REFUSED_UNDER_CP) if context_parallel > 1 else ()
-    return RankAccount(account, context_parallel, sharded, replicated, refused)
-
-
-def recipe_setup(path: Path, prompt_tokens: int) -> tuple[str, str, UpdateSetup, int]:
-    """(architecture file stem, label, setup, context_parallel_size) from a TrlParser recipe YAML (read as YAML,
-    defaults as LongStrawGRPOConfig / ModelConfig have them). The architecture file is the one whose `_source` is the
-    recipe's `model_name_or_path`."""
-    import yaml
-
-    recipe = yaml.safe_load(path.read_text())
-    model = recipe["model_name_or_path"]
-    stems = [
-        config.stem
-        for config in sorted(ARCHITECTURES.glob("*.json"))
-        if json.loads(config.read_text()).get("_source") == model
-    ]
-    if not stems:
-        raise SystemExit(f"{path}: no file in {ARCHITECTURES} has _source {model!r}")
-    if recipe.get("prompt_gradient", "detach") != "detach":
-        raise SystemExit(f"{path}: the update account is detach mode only (prompt_gradient: detach)")
-    from trl import ModelConfig
-
-    from trl_longstraw import LongStrawGRPOConfig
-
-    defaults = {f.name: f.default for config in (LongStrawGRPOConfig, ModelConfig) for f in dataclasses.fields(config)}
-
-    def get(key):
-        return recipe.get(key, defaults[key])
-
-    quantized = get("load_in_4bit") and get("bnb_4bit_quant_type") == "nf4"
-    targets = get("lora_target_modules")
-    checkpointing = recipe.get("activation_checkpointing", recipe.get("gradient_checkpointing")) or False
-    # A rollout keeps one prompt state per distinct prompt of a process's generation batch; vLLM generates elsewhere.
-    steps_per_generation = get("steps_per_generation") or get("gradient_accumulation_steps")
-    rollout = get("rollout_from_prompt_state") is not False
-    rollout = rollout and not get("use_vllm") and not get("use_transformers_continuous_batching")
-    rows, group = get("per_device_train_batch_size") * steps_per_generation, get("num_generations")
-    # a process's rows that do not hold whole groups can start mid-group: one more prompt at most
-    prompts = (-(-rows // group) + (1 if rows % group else 0)) if rollout else 0
-    setup = UpdateSetup(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=get("max_completion_length"),
-        group_size=get("num_generations"),
-        quantization="nf4" if quantized else "none",
-        double_quant=get("use_bnb_nested_quant"),
-        lora_rank=get("lora_r") if get("use_peft") else None,
-        lora_targets=tuple(targets) if isinstance(targets, list) else targets,
-        state_dtype=get("prompt_state_dtype"),
-        state_device="cpu" if get("prompt_state_device") == "cpu" else "device",
-        activation_checkpointing=checkpointing,
-        prefill_chunk_size=get("prefill_chunk_size"),
-        attention_chunk_size=get("attention_chunk_size"),
-        prompts_per_generation=max(prompts, 1) if rollout else 0,
-    )
-    weights = "NF4 QLoRA" if quantized else "bf16 LoRA"
-    label = f"`{path.name}`: {weights} r{setup.lora_rank}, {'checkpointing' if checkpointing else 'no checkpointing'}"
-    return stems[0], label, setup, recipe.get("context_parallel_size") or 1
-
-
-def rank_row(name: str, label: str, rank: RankAccount) -> str:
-    account, cp = rank.account, rank.context_parallel
+def rank_row(name: str, label: str, plan: Plan) -> str:
+    account, cp = plan.account, plan.context_parallel
     setup = account.setup
     lora = account.lora.bytes if account.lora else 0
     work = account.working_set
     which = "replay" if work is account.replay else "capture chunk"
-    where = "" if rank.on_device else ", host"
-    if rank.refused:
-        fits = f"refused under CP ({', '.join(rank.refused)})"
+    where = "" if setup.state_device == "device" else ", host"
+    if plan.refused_under_cp:
+        fits = f"refused under CP ({', '.join(plan.refused_under_cp)})"
     else:
-        device = rank.device_bytes / GIB
+        device = plan.device_bytes / GIB
         fits = f"fits ({H200_USABLE_GIB - device:,.1f} GiB spare)" if device <= H200_USABLE_GIB else "does not fit"
     return (
         f"| {name} | {label} | {cp} | {setup.prompt_tokens:,} | {gib(account.weights.bytes)} | {gib(lora)} | "
-        f"{gib(account.state_bytes)} | {gib(rank.sharded)}{where} | {gib(rank.replicated)}{where} | "
-        f"{gib(work.bytes)} ({which}) | **{gib(rank.device_bytes)}** | {fits} |"
+        f"{gib(account.state_bytes)} | {gib(plan.sharded_state)}{where} | {gib(plan.replicated_state)}{where} | "
+        f"{gib(work.bytes)} ({which}) | **{gib(plan.device_bytes)}** | {fits} |"
     )
 
 
-def print_rank_table(entries: list[tuple[str, str, UpdateSetup, int]]) -> None:
+def print_rank_table(entries: list[tuple[str, str, object, UpdateSetup, int]]) -> None:
     print(
         "Per context-parallel rank, detach mode, bf16 compute, GiB. Weights, LoRA + AdamW and state: computed byte "
         "counts (every rank holds the whole model and adapters; sharded state: the largest rank's 1/cp share of the "
@@ -287,11 +195,8 @@ def print_rank_table(entries: list[tuple[str, str, UpdateSetup, int]]) -> None:
         f"per rank: replicated state | working set (est.) | per-rank device total | one H200 ({H200_USABLE_GIB} GiB) |"
     )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |")
-    for stem, label, setup, cp in entries:
-        path = ARCHITECTURES / f"{stem}.json"
-        config = load_config(str(path))
-        account = update_account(config, setup)
-        print(rank_row(f"`{path.name}`", label, rank_account(config, account, cp)))
+    for name, label, config, setup, cp in entries:
+        print(rank_row(name, label, plan_run(config, setup, cp)))
 
 
 def main() -> None:
@@ -323,12 +228,23 @@ def main() -> None:
         entries = []
         for spec in args.recipe:
             path, _, tokens = spec.partition("@")
-            stem, label, setup, cp = recipe_setup(Path(path), int(tokens) if tokens else p)
-            entries.append((stem, label, setup, args.context_parallel or cp))
+            name, label, config, setup, cp = recipe_entry(Path(path), int(tokens) if tokens else p)
+            entries.append((name, label, config, setup, args.context_parallel or cp))
         print_rank_table(entries)
         return
     if args.context_parallel:
-        print_rank_table([(stem, label, setup, args.context_parallel) for stem, label, setup in rows(p, r, g)])
+        print_rank_table(
+            [
+                (
+                    f"`{stem}.json`",
+                    label,
+                    load_config(str(ARCHITECTURES / f"{stem}.json")),
+                    setup,
+                    args.context_parallel,
+                )
+                for stem, label, setup in rows(p, r, g)
+            ]
+        )
         return
     print(
         f"P = {p:,} prompt positions, G = {g}, R = {r:,} completion tokens, detach mode, bf16 compute. GiB. Weights, "

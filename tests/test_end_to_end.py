@@ -155,6 +155,7 @@ def test_wandb_offline_run_records_the_phase_metrics_under_train_and_eval(
             eval_strategy="steps",
             eval_steps=1,
             per_device_eval_batch_size=3,
+            memory_plan_prompt_length=64,
         ),
         train_dataset=prompt_dataset,
         eval_dataset=prompt_dataset,
@@ -162,6 +163,8 @@ def test_wandb_offline_run_records_the_phase_metrics_under_train_and_eval(
     )
     trainer.train()
     run_dir = wandb.run.dir
+    assert wandb.run.summary["longstraw/plan/device_gib"] == trainer._memory_plan.device_bytes / 2**30
+    assert wandb.run.summary["longstraw/measured/rss_peak_gib"] > 0
     wandb.finish()
     wandb.teardown()
     # Offline runs keep their history in the run's transaction log (protobuf records): the keys are stored verbatim.
@@ -173,3 +176,6 @@ def test_wandb_offline_run_records_the_phase_metrics_under_train_and_eval(
         assert f"train/{key}".encode() in records, key
     for key in ("longstraw/capture/time_s", "longstraw/score/time_s", "longstraw/prompt_state_gib"):
         assert f"eval/{key}".encode() in records, key
+    # the memory plan in the run's config, the phases as bar charts (W&B custom-chart tables)
+    for key in ("longstraw_memory_plan", "longstraw/phases/time_s", "longstraw/phases/rss_peak_gib"):
+        assert key.encode() in records, key

@@ -9,7 +9,7 @@ import torch
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
 from trl_longstraw import telemetry as telemetry_module
-from trl_longstraw.telemetry import MemoryMeter, PeakSampler, PhaseTelemetry
+from trl_longstraw.telemetry import MemoryMeter, PeakSampler, PhaseTelemetry, phase_rows
 
 from .conftest import length_reward, make_trainer, synthetic_inputs, trainer_args
 
@@ -213,3 +213,16 @@ def test_evaluation_phases_are_logged_with_evaluation_not_folded_into_training(
     for entry in eval_logs:
         assert entry["eval_longstraw/capture/count"] > 0 and entry["eval_longstraw/score/time_s"] > 0
         assert entry["eval_longstraw/capture/rss_peak_gib"] > 0 and "eval_longstraw/prompt_state_gib" in entry
+
+
+def test_phase_rows_tabulate_one_logged_step_by_phase():
+    logs = {
+        "train/longstraw/capture/time_s": 2.0,
+        "train/longstraw/capture/rss_peak_gib": 1.5,
+        "longstraw/replay/time_s": 3.0,
+        "train/longstraw/prompt_state_gib": 0.5,  # not a phase
+        "train/loss": 0.1,
+    }
+    columns, rows = phase_rows(logs)
+    assert columns == ["phase", "rss_peak_gib", "time_s"]
+    assert rows == [["capture", 1.5, 2.0], ["replay", 0.0, 3.0]]

@@ -11,6 +11,7 @@ from trl import GRPOConfig
 
 PROMPT_GRADIENT_MODES = ("detach", "exact")
 PROMPT_STATE_DTYPES = ("auto", "float8_e4m3fn")
+MEMORY_PLAN_ACTIONS = ("error", "warn", "off")
 # transformers' optimizers that update each parameter from a hook as its gradient is accumulated
 OPTIMIZERS_THAT_STEP_INSIDE_BACKWARD = (
     "galore_adamw_layerwise",
@@ -92,6 +93,13 @@ class LongStrawGRPOConfig(GRPOConfig):
 
         > Parameters that control the LongStraw metrics
 
+        memory_plan_prompt_length (`int`, *optional*):
+            The longest prompt in tokens. Set, the trainer plans the run's memory per device before loading weights,
+            logs the plan and checks it against the device (`memory_plan`).
+        memory_plan (`str`, *optional*, defaults to `"error"`):
+            `"error"`, `"warn"` or `"off"`: what a plan that does not fit the device does.
+        memory_plan_device_gib (`float`, *optional*):
+            Usable memory per device in GiB for the plan (unset: the CUDA device's total memory).
         log_phase_metrics (`bool`, *optional*, defaults to `True`):
             Log wall time, peak memory and run count of each phase, and the prompt-state size, under `longstraw/` (see
             docs/memory.md, "Logged metrics"); `False` logs none of them. Never resets a process-wide counter (CUDA peak
@@ -169,6 +177,32 @@ class LongStrawGRPOConfig(GRPOConfig):
             "single-process gradient. The world size must be a multiple of it (world = data parallel x context "
             "parallel; consecutive ranks form a context-parallel group). Unset: the cp_size of Accelerate's "
             "parallelism_config if one is configured, else 1."
+        },
+    )
+    memory_plan_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "The longest prompt, in tokens, the run will see. Set, the trainer plans the run's memory per "
+            "device at construction, before loading any weights (the plan of `trl-longstraw plan`: weights, "
+            "adapters and optimizer state, prompt state, the capture's, replay's and rollout's working sets, detach "
+            "mode), logs it once (console and the W&B run config) and, when it does not fit the device, does what "
+            "`memory_plan` says. Unset: no plan."
+        },
+    )
+    memory_plan: str = field(
+        default="error",
+        metadata={
+            "help": "What a plan (memory_plan_prompt_length set) that does not fit the device does: 'error' (raise "
+            "before any weights load, naming the settings that would fit), 'warn' (log it and go on) or 'off' (no "
+            "plan).",
+            "choices": list(MEMORY_PLAN_ACTIONS),
+        },
+    )
+    memory_plan_device_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "Usable memory per device for the plan, in GiB. Unset: the total memory of the CUDA device this "
+            "process trains on; on a CPU-only machine the plan is logged but not checked."
         },
     )
     log_phase_metrics: bool = field(
@@ -289,6 +323,12 @@ class LongStrawGRPOConfig(GRPOConfig):
                 raise ValueError(f"{name}={value!r} must be a positive integer (e.g. 1024).")
         if self.prompt_state_device != "auto":
             self._validate_state_device()
+        if self.memory_plan not in MEMORY_PLAN_ACTIONS:
+            raise ValueError(f"memory_plan={self.memory_plan!r} is not supported: use one of {MEMORY_PLAN_ACTIONS}.")
+        for name in ("memory_plan_prompt_length", "memory_plan_device_gib"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name}={value!r} must be a positive number, or None (unset).")
         if self.prompt_state_dtype not in PROMPT_STATE_DTYPES:
             raise ValueError(
                 f"prompt_state_dtype={self.prompt_state_dtype!r} is not supported: use one of {PROMPT_STATE_DTYPES}."

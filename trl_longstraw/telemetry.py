@@ -211,3 +211,16 @@ class PhaseTelemetry:
         self._counts[mode].clear()
         self._peaks[mode].clear()
         return metrics
+
+
+def phase_rows(logs: dict[str, float]) -> tuple[list[str], list[list]]:
+    """One logged step's phase metrics (`flush`'s keys, possibly under transformers' `train/` or `eval/` prefix) as a
+    table: columns `phase` and each metric, one row per phase logged (a metric a phase lacks: 0)."""
+    values: dict[str, dict[str, float]] = {}
+    for key, value in logs.items():
+        parts = key.split("/")
+        if len(parts) >= 3 and parts[-3] == PREFIX and parts[-2] in PHASES:
+            values.setdefault(parts[-2], {})[parts[-1]] = value
+    metrics = sorted({metric for phase in values.values() for metric in phase})
+    rows = [[phase, *(values[phase].get(metric, 0.0) for metric in metrics)] for phase in PHASES if phase in values]
+    return ["phase", *metrics], rows

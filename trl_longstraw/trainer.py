@@ -44,6 +44,7 @@ from .distributed import average_gradients
 from .engine import ensure_finite, non_finite_error, stock_attention, weights_version
 from .load_balancing import moe_routing
 from .loss import member_backward, replayed_scores
+from .plan import GIB, plan_at_construction
 from .preflight import check_capture_matches_own_forward, positions_follow_mask
 from .rollout import (
     PromptRows,
@@ -53,7 +54,7 @@ from .rollout import (
     generates_with_transformers,
     prepare_sampling,
 )
-from .telemetry import PhaseTelemetry
+from .telemetry import PhaseTelemetry, phase_rows
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +193,44 @@ class _LongStrawCallback(TrainerCallback):
         self.trainer = trainer
         self.span = None
 
+    @staticmethod
+    def _wandb_run(args, state):
+        """The W&B run this process logs to (transformers' WandbCallback started it), or None."""
+        if not state.is_world_process_zero or "wandb" not in (args.report_to or []):
+            return None
+        import wandb
+
+        return wandb.run
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        plan = self.trainer._memory_plan
+        run = self._wandb_run(args, state)
+        if plan is not None and run is not None:
+            run.config.update({"longstraw_memory_plan": plan.to_dict()}, allow_val_change=True)
+            run.summary["longstraw/plan/device_gib"] = plan.device_bytes / GIB
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """The step's phases as one bar chart per metric (time, memory) beside the scalar keys; the highest peak
+        measured so far in the run summary, next to the plan's prediction."""
+        run = self._wandb_run(args, state)
+        columns, rows = phase_rows(logs or {})
+        if run is None or not rows:
+            return
+        import wandb
+
+        table = wandb.Table(columns=columns, data=rows)
+        charts = {
+            f"longstraw/phases/{metric}": wandb.plot.bar(table, "phase", metric, title=f"LongStraw phases: {metric}")
+            for metric in columns[1:]
+            if metric.endswith(("time_s", "peak_gib"))
+        }
+        run.log(charts, commit=False)
+        for metric in columns[1:]:
+            if metric.endswith("peak_gib"):
+                peak = max(row[columns.index(metric)] for row in rows)
+                key = f"longstraw/measured/{metric}"
+                run.summary[key] = max(peak, run.summary.get(key, 0.0))
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.span is not None:  # left open by an optimizer step that raised
             self.span.__exit__(None, None, None)
@@ -253,6 +292,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             if is_peft_model(model):
                 check_adapter(model.active_peft_config)
         self._check_positions(config, args, prompt_width=1)
+        self._memory_plan = plan_at_construction(  # before any weights load
+            config, model, args, kwargs.get("peft_config"), kwargs.get("quantization_config")
+        )
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         for policy_or_ref in (self.model, self.ref_model):
             if policy_or_ref is not None:

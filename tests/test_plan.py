@@ -1,0 +1,213 @@
+"""The memory planner (`trl_longstraw/plan.py`) and its console script (`trl-longstraw plan`, `trl_longstraw/cli.py`):
+the plan's terms are the accounting's, context parallelism shares the sharded state, every suggestion re-plans as
+fitting, the script refuses bad input before reading any config, and the trainer plans at construction before any
+weights load."""
+
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer, cli
+from trl_longstraw.accounting import UpdateSetup, prompt_state_bytes, update_account
+from trl_longstraw.embedded import FAMILIES, build_model, tiny_config
+from trl_longstraw.engine import LongStrawEngine
+from trl_longstraw.plan import GIB, MemoryPlanError, ModelSourceError, load_model_config, plan_run
+
+from .conftest import length_reward, make_trainer, trainer_args
+from .test_accounting import saved_activation_bytes
+from .test_engine import case, prepared
+
+SETUP_FIELDS = {"prompt_state_dtype": "state_dtype", "prompt_state_device": "state_device"}  # config -> setup
+SETUP = UpdateSetup(prompt_tokens=4097, completion_tokens=64, group_size=4, lora_rank=4, prefill_chunk_size=1024)
+
+
+def test_the_plan_is_the_accounting_of_the_update():
+    config = tiny_config("qwen3")
+    plan = plan_run(config, SETUP)
+    account = update_account(config, SETUP)
+    assert plan.state_bytes == account.state_bytes
+    assert plan.device_bytes == account.device_bytes
+    assert plan.fits is None  # no budget given
+
+
+def test_context_parallelism_shares_the_attention_pages_and_replicates_recurrent_state():
+    config = tiny_config("qwen3_5")  # GatedDeltaNet + attention
+    whole, halves = plan_run(config, SETUP), plan_run(config, SETUP, context_parallel=2)
+    attention = prompt_state_bytes(config, 2048, 2)["full_attention"]  # 4096 captured tokens: 2048 per rank
+    assert halves.sharded_state == attention
+    assert halves.replicated_state == whole.replicated_state > 0
+    assert halves.device_bytes < whole.device_bytes
+
+
+def test_full_fine_tuning_counts_each_weights_gradient_and_adam_moments():
+    config = tiny_config("qwen3")
+    plan = plan_run(config, dataclasses.replace(SETUP, lora_rank=None))
+    assert plan.trainable_bytes == 3 * plan.account.weights.dense_bytes
+
+
+def test_every_suggestion_for_a_run_that_does_not_fit_fits_when_planned():
+    config = tiny_config("qwen3")
+    whole = plan_run(config, SETUP)
+    budget = whole.device_bytes - whole.state_bytes // 3  # a third of the state too much
+    plan = plan_run(config, SETUP, budget=budget, devices=8)
+    assert plan.fits is False and plan.suggestions
+    names = {key for suggestion in plan.suggestions for key in suggestion["settings"]}
+    assert {"prompt_state_dtype", "prompt_state_device", "context_parallel_size"} <= names
+    for suggestion in plan.suggestions:
+        settings = dict(suggestion["settings"])
+        context_parallel = settings.pop("context_parallel_size", 1)
+        renamed = {SETUP_FIELDS.get(key, key): value for key, value in settings.items()}
+        again = plan_run(config, dataclasses.replace(SETUP, **renamed), context_parallel, budget)
+        assert again.fits and again.device_bytes == suggestion["device_bytes"]
+
+
+def test_a_config_is_read_from_a_folder_a_json_file_or_an_architecture_name(tmp_path):
+    tiny_config("qwen3").save_pretrained(tmp_path)
+    assert load_model_config(str(tmp_path)).model_type == "qwen3"
+    assert load_model_config(str(tmp_path / "config.json")).model_type == "qwen3"
+    assert load_model_config("qwen3_8b").num_hidden_layers == 36
+
+
+def test_an_unreadable_model_names_what_the_planner_accepts(tmp_path):
+    with pytest.raises(ModelSourceError, match=r"'no-such/model'.*local model folder.*architecture name \(.*glm5"):
+        load_model_config("no-such/model")
+    (tmp_path / "other.json").write_text('{"hidden": 1}')
+    with pytest.raises(ModelSourceError, match="no `model_type`"):
+        load_model_config(str(tmp_path / "other.json"))
+
+
+def test_the_script_prints_json_and_exits_1_when_the_run_does_not_fit(tmp_path, capsys):
+    tiny_config("qwen3").save_pretrained(tmp_path)
+    args = [str(tmp_path), "--prompt-length", "4097", "--lora-r", "4", "--json"]
+    assert cli.main(["plan", *args, "--gpu-memory", "100"]) == 0
+    fitting = json.loads(capsys.readouterr().out)
+    assert fitting["fits"] is True and fitting["budget_bytes"] == 100 * GIB
+    tight = str(fitting["device_bytes"] / 2 / GIB)
+    assert cli.main(["plan", *args, "--gpu-memory", tight]) == 1
+    assert json.loads(capsys.readouterr().out)["fits"] is False
+
+
+def test_the_script_names_an_unreadable_model_and_exits_2(capsys):
+    assert cli.main(["plan", "no-such/model", "--prompt-length", "10"]) == 2
+    assert "Cannot read a model config from 'no-such/model'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prompt-length", "0"], "--prompt-length must be at least 1"),
+        (["--prompt-length", "9", "--load-in-4bit", "--lora-r", "0"], "QLoRA.*--lora-r > 0"),
+        (["--prompt-length", "9", "--context-parallel-size", "4", "--gpus", "2"], "exceeds --gpus 2"),
+    ],
+)
+def test_bad_flags_are_refused_before_any_config_is_read(flags, message, monkeypatch, capsys):
+    monkeypatch.setattr("trl_longstraw.plan.load_model_config", lambda *_: pytest.fail("read a config"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "qwen3_8b", *flags])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_run_that_does_not_fit_is_stopped_before_any_weights_load(tokenizer, prompt_dataset, tmp_path, monkeypatch):
+    tiny_config("qwen3").save_pretrained(tmp_path / "model")  # a config only: loading weights would fail
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", lambda *_, **__: pytest.fail("loaded weights"))
+    args = trainer_args(LongStrawGRPOConfig, tmp_path, memory_plan_prompt_length=100_000, memory_plan_device_gib=0.01)
+    with pytest.raises(MemoryPlanError, match=r"(?s)does not fit the device.*DOES NOT FIT"):
+        LongStrawGRPOTrainer(
+            model=str(tmp_path / "model"),
+            reward_funcs=length_reward,
+            args=args,
+            train_dataset=prompt_dataset,
+            processing_class=tokenizer,
+        )
+
+
+def test_warn_mode_builds_the_trainer_with_its_plan(fresh_model, tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(
+        LongStrawGRPOTrainer,
+        fresh_model(),
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        memory_plan_prompt_length=100_000,
+        memory_plan_device_gib=0.01,
+        memory_plan="warn",
+    )
+    assert trainer._memory_plan.fits is False
+    assert trainer._memory_plan.setup.prompt_tokens == 100_000 and trainer._memory_plan.setup.lora_rank is None
+
+
+def test_no_plan_without_a_prompt_length(fresh_model, tokenizer, prompt_dataset, tmp_path):
+    trainer = make_trainer(LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path)
+    assert trainer._memory_plan is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("memory_plan", "maybe"), ("memory_plan_prompt_length", 0), ("memory_plan_device_gib", -1.0)],
+)
+def test_bad_plan_settings_are_refused_naming_the_field(field, value, tmp_path):
+    with pytest.raises(ValueError, match=field):
+        trainer_args(LongStrawGRPOConfig, tmp_path, **{field: value})
+
+
+def test_a_recipe_is_planned_with_its_own_settings(capsys):
+    args = ["plan", "--config", "configs/qwen3_6_27b_qlora_cp8.yaml", "--prompt-length", "2097152", "--json"]
+    assert cli.main([*args, "--gpu-memory", "131"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    settings = plan["settings"]
+    assert plan["model"] == "Qwen/Qwen3.6-27B" and settings["context_parallel_size"] == 8
+    assert (settings["quantization"], settings["lora_rank"], settings["prefill_chunk_size"]) == ("nf4", 16, 16384)
+    assert settings["activation_checkpointing"] and settings["completion_tokens"] == 2048
+
+
+def test_a_hub_id_outside_the_cache_reads_the_architecture_file_written_from_it():
+    assert load_model_config("Qwen/Qwen3-8B").to_dict() == load_model_config("qwen3_8b").to_dict()
+
+
+def test_a_model_and_a_recipe_together_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "qwen3_8b", "--config", "configs/qwen3_8b_lora.yaml", "--prompt-length", "9"])
+    assert "not both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_familys_plan_against_what_a_capture_a_replay_and_an_adamw_step_allocate(family):
+    """fp32, full fine-tuning, no checkpointing: weights, prompt state and the trainable values' gradients and AdamW
+    state are byte counts (equal to the allocations, up to AdamW's scalar step counters); the replay's working set is
+    an estimate, at least what autograd saves for one replay and at most 5x it (measured: 1.6x to 4.1x)."""
+    model = prepared(build_model(family))
+    setup = UpdateSetup(
+        prompt_tokens=61,
+        completion_tokens=70,  # two chunks of the recurrent kernels
+        group_size=1,
+        lora_rank=None,
+        activation_checkpointing=False,
+        prefill_chunk_size=32,
+        attention_chunk_size=16,
+        dtype_bytes=4,
+        prompts_per_generation=0,
+    )
+    plan = plan_run(model.config, setup)
+    parameters = list(model.parameters())
+    assert plan.account.weights.bytes == sum(p.nbytes for p in parameters) + sum(b.nbytes for b in model.buffers())
+    prompt, _, _ = case(prompt_length=setup.prompt_tokens)
+    engine = LongStrawEngine(setup.prefill_chunk_size, setup.attention_chunk_size)
+    state = engine.capture(model, prompt, first_position=0)
+    assert plan.state_bytes == state.nbytes()
+    completion = torch.randint(2, 100, (setup.completion_tokens,), generator=torch.Generator().manual_seed(1))
+    saved = saved_activation_bytes(
+        model, state, lambda: engine.replay(model, state, prompt[-1:], completion, setup.completion_tokens)
+    )
+    assert saved <= plan.account.replay.bytes <= 5 * saved
+    for parameter in parameters:
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer = torch.optim.AdamW(parameters)
+    optimizer.step()
+    moments = sum(value.nbytes for slot in optimizer.state.values() for value in slot.values())
+    step_counters = 4 * len(parameters)  # one fp32 `step` per parameter
+    assert plan.trainable_bytes == sum(p.grad.nbytes for p in parameters) + moments - step_counters

@@ -1,0 +1,149 @@
+"""`trl-longstraw`: the project's console script. `trl-longstraw plan MODEL ...` prints a run's memory per device
+(`plan.py`) before anything is launched; exit status 0 when it fits, 1 when it does not, 2 on bad input."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import warnings
+
+from trl import GRPOConfig
+
+from .accounting import UpdateSetup
+from .config import LongStrawGRPOConfig
+
+GIB = 1024**3
+
+
+def _default(config_class, name: str):
+    """A config field's default: the planner's flags default to what the trainer would use."""
+    return next(field.default for field in dataclasses.fields(config_class) if field.name == name)
+
+
+def plan_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "plan",
+        help="a run's memory per device, and the settings that would fit",
+        description="A LongStraw run's memory per device (detach mode), from a model config: no weights are loaded.",
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        help="a local model folder, a config .json, a Hub id in the local Hugging Face cache, or an architecture "
+        "name of configs/architectures/",
+    )
+    parser.add_argument(
+        "--config",
+        help="a recipe YAML (recipes/grpo_longstraw.py --config): its model and settings replace the run-setting "
+        "flags; --prompt-length and the machine's flags still apply",
+    )
+    parser.add_argument("--prompt-length", type=int, required=True, help="prompt tokens (P)")
+    parser.add_argument(
+        "--num-generations", type=int, default=_default(GRPOConfig, "num_generations"), help="completions per prompt"
+    )
+    parser.add_argument(
+        "--max-completion-length", type=int, default=_default(GRPOConfig, "max_completion_length"), help="tokens"
+    )
+    parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank; 0: full fine-tuning")
+    parser.add_argument("--lora-target-modules", nargs="+", default=["all-linear"])
+    parser.add_argument("--load-in-4bit", action="store_true", help="NF4 base weights (QLoRA)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--prompt-state-dtype", choices=("auto", "float8_e4m3fn"), default="auto")
+    parser.add_argument("--prompt-state-device", choices=("device", "cpu"), default="device")
+    parser.add_argument("--prefill-chunk-size", type=int, default=_default(LongStrawGRPOConfig, "prefill_chunk_size"))
+    parser.add_argument(
+        "--attention-chunk-size", type=int, default=_default(LongStrawGRPOConfig, "attention_chunk_size")
+    )
+    parser.add_argument("--activation-checkpointing", action="store_true", help="checkpoint the replay's layers")
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--per-device-train-batch-size",
+        type=int,
+        default=_default(GRPOConfig, "per_device_train_batch_size"),
+        help="rows per micro-batch (stock back-propagates them at once)",
+    )
+    parser.add_argument("--gpus", type=int, default=None, help="devices available (bounds the CP suggestion)")
+    parser.add_argument("--gpu-memory", type=float, default=None, help="usable memory per device, GiB")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return parser
+
+
+def check_plan_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, naming the flag and the fix, what the planner cannot model: before any config is read."""
+    if (args.model is None) == (args.config is None):
+        parser.error("give a model, or a recipe with --config (not both)")
+    for flag in ("prompt_length", "num_generations", "max_completion_length", "prefill_chunk_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.context_parallel_size < 1:
+        parser.error(f"--context-parallel-size must be at least 1, got {args.context_parallel_size}")
+    if args.gpus is not None and args.context_parallel_size > args.gpus:
+        parser.error(f"--context-parallel-size {args.context_parallel_size} exceeds --gpus {args.gpus}")
+    if args.load_in_4bit and args.lora_r == 0:
+        parser.error("--load-in-4bit trains adapters only (QLoRA): give --lora-r > 0, or drop --load-in-4bit")
+    if args.prompt_state_dtype != "auto" and args.dtype == "float32":
+        parser.error("--prompt-state-dtype float8_e4m3fn is for bf16/fp16 runs: drop it with --dtype float32")
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        parser.error(f"--gpu-memory must be positive (GiB), got {args.gpu_memory}")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from .plan import ModelSourceError, format_plan, load_model_config, plan_run, recipe_plan_inputs
+
+    try:
+        if args.config is not None:
+            config, name, setup, context_parallel = recipe_plan_inputs(args.config, args.prompt_length)
+        else:
+            config, name = load_model_config(args.model, args.trust_remote_code), args.model
+            setup, context_parallel = setup_from_flags(args), args.context_parallel_size
+    except (ModelSourceError, ValueError) as error:  # ValueError: a recipe setting LongStrawGRPOConfig refuses
+        print(f"trl-longstraw plan: {error}", file=sys.stderr)
+        return 2
+    budget = None if args.gpu_memory is None else int(args.gpu_memory * GIB)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' and PEFT's notes while building the meta-device skeleton
+        plan = plan_run(
+            config,
+            setup,
+            context_parallel,
+            budget,
+            args.per_device_train_batch_size,
+            model=name,
+            devices=args.gpus,
+        )
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    return 1 if plan.fits is False else 0
+
+
+def setup_from_flags(args: argparse.Namespace) -> UpdateSetup:
+    targets = args.lora_target_modules
+    return UpdateSetup(
+        prompt_tokens=args.prompt_length,
+        completion_tokens=args.max_completion_length,
+        group_size=args.num_generations,
+        quantization="nf4" if args.load_in_4bit else "none",
+        lora_rank=args.lora_r or None,
+        lora_targets=targets[0] if targets == ["all-linear"] else tuple(targets),
+        state_dtype=args.prompt_state_dtype,
+        state_device=args.prompt_state_device,
+        activation_checkpointing=args.activation_checkpointing,
+        prefill_chunk_size=args.prefill_chunk_size,
+        attention_chunk_size=args.attention_chunk_size,
+        dtype_bytes=4 if args.dtype == "float32" else 2,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trl-longstraw", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    plan = plan_parser(subparsers)
+    args = parser.parse_args(argv)
+    check_plan_arguments(plan, args)
+    return run_plan(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

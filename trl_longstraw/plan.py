@@ -1,0 +1,417 @@
+"""Know before you launch: one LongStraw run's memory per device, from a model config, before any model work.
+
+`plan_run` turns a config and the run's settings into a `Plan`: per device, the weights, the trainable values with
+their gradients and AdamW state, the prompt state (this rank's share under context parallelism; host-resident state
+counted apart), the working sets of the capture, the replay and the rollout, and their peak (`UpdateAccount`'s two
+peaks: the update's and the rollout's) against the device's memory; stock `GRPOTrainer`'s lower bound for the same
+run; and, when the run does not fit, the single settings that would (`Plan.suggestions`: fp8 state pages, host
+placement, smaller chunks, the smallest context-parallel size). Detach mode: exact mode's prompt backward is not
+modelled. `trl-longstraw plan` (`cli.py`) prints it; the byte counts are `accounting`'s (weights, adapters and state
+checked against real allocations, working sets estimated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+from transformers.utils import logging
+
+from .accounting import UpdateAccount, UpdateSetup, prompt_state_bytes, stock_activation_bytes, update_account
+from .context_parallel import shard_bounds
+
+logger = logging.get_logger(__name__)
+
+GIB = 1024**3
+ARCHITECTURES = Path(__file__).resolve().parent.parent / "configs" / "architectures"
+# State labels (`LayerState.account`) context parallelism shards by sequence, and those it refuses; every other label
+# (fixed-size recurrent states, sliding windows) is replicated on every rank.
+SHARDED_UNDER_CP = ("full_attention", "mla_latent", "dsa_indexer_keys")
+REFUSED_UNDER_CP = ("chunked_attention",)
+SMALLEST_CHUNK = 512  # chunk sizes the suggestions go down to
+LARGEST_CONTEXT_PARALLEL = 64
+
+
+class ModelSourceError(ValueError):
+    """The planner could not read a model config from what it was given."""
+
+
+def load_model_config(source: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    """A config from a local model folder, a config `.json` file (a `config.json`, or an architecture file with a
+    `model_type`), the name of a file in `configs/architectures/`, or a Hub id already in the local Hugging Face cache
+    (nothing is downloaded)."""
+    path = Path(source)
+    architecture = ARCHITECTURES / f"{source}.json"
+    if architecture.is_file() and not path.exists():
+        path = architecture
+    try:
+        if path.is_file():
+            values = json.loads(path.read_text())
+            if "model_type" not in values:
+                raise ModelSourceError(f"{source}: the JSON file has no `model_type`, so it is no model config")
+            return AutoConfig.for_model(**{key: value for key, value in values.items() if not key.startswith("_")})
+        try:
+            return AutoConfig.from_pretrained(source, local_files_only=True, trust_remote_code=trust_remote_code)
+        except OSError:  # not in the local cache: an architecture file written from that Hub model, if one is
+            written_from = [
+                file
+                for file in sorted(ARCHITECTURES.glob("*.json"))
+                if json.loads(file.read_text()).get("_source") == source
+            ]
+            if not written_from:
+                raise
+            return load_model_config(str(written_from[0]))
+    except ModelSourceError:
+        raise
+    except Exception as error:  # transformers' many ways of not finding a config, re-raised as one
+        known = ", ".join(sorted(file.stem for file in ARCHITECTURES.glob("*.json"))) or "none here"
+        raise ModelSourceError(
+            f"Cannot read a model config from {source!r} ({type(error).__name__}: {str(error).splitlines()[0]}). "
+            "Give a local model folder, a config .json file, a Hub id already in the local Hugging Face cache "
+            f"(`huggingface-cli download ID config.json` fetches only the config), or an architecture name ({known})."
+        ) from error
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One device's memory for a run (see the module docstring). Bytes throughout; `budget` None: not checked."""
+
+    model: str
+    setup: UpdateSetup
+    context_parallel: int
+    account: UpdateAccount
+    sharded_state: int  # this rank's share of what CP shards (the largest rank's)
+    replicated_state: int  # what every rank holds whole (recurrent states, windows)
+    refused_under_cp: tuple[str, ...]
+    trainable_bytes: int  # LoRA adapters, or every weight under full fine-tuning, with gradients and AdamW state
+    stock_lower_bound: int
+    budget: int | None
+    suggestions: tuple[dict, ...] = ()
+
+    @property
+    def state_bytes(self) -> int:
+        return self.sharded_state + self.replicated_state
+
+    @property
+    def state_on_device(self) -> int:
+        return self.state_bytes if self.setup.state_device == "device" else 0
+
+    @property
+    def host_bytes(self) -> int:
+        return self.state_bytes - self.state_on_device
+
+    @property
+    def phases(self) -> dict[str, int]:
+        """What the device holds, term by term; `device_bytes` is the peak over the update and the rollout."""
+        account = self.account
+        return {
+            "weights": account.weights.bytes,
+            "trainable values, gradients and AdamW state": self.trainable_bytes,
+            "prompt state": self.state_on_device,
+            "capture working set (one chunk)": account.capture.bytes,
+            "replay working set (one member)": account.replay.bytes,
+            "rollout (decoded rows of the generation batch)": account.rollout_bytes(0),
+            "group scalars": account.group_scalars,
+        }
+
+    @property
+    def update_peak(self) -> int:
+        return self.state_on_device + self.account.working_set.bytes + self.account.group_scalars
+
+    @property
+    def rollout_peak(self) -> int:
+        return self.account.rollout_bytes(self.state_on_device)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.account.weights.bytes + self.trainable_bytes + max(self.update_peak, self.rollout_peak)
+
+    @property
+    def fits(self) -> bool | None:
+        if self.refused_under_cp:
+            return False
+        return None if self.budget is None else self.device_bytes <= self.budget
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "settings": {**dataclasses.asdict(self.setup), "context_parallel_size": self.context_parallel},
+            "per_device_bytes": self.phases,
+            "update_peak_bytes": self.update_peak,
+            "rollout_peak_bytes": self.rollout_peak,
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+            "budget_bytes": self.budget,
+            "fits": self.fits,
+            "refused_under_context_parallelism": list(self.refused_under_cp),
+            "stock_grpo_lower_bound_bytes": self.stock_lower_bound,
+            "suggestions": list(self.suggestions),
+        }
+
+
+def plan_run(
+    config: PretrainedConfig,
+    setup: UpdateSetup,
+    context_parallel: int = 1,
+    budget: int | None = None,
+    stock_rows: int = 8,
+    model: str = "",
+    devices: int | None = None,
+    suggest: bool = True,
+) -> Plan:
+    """The `Plan` of `setup` on `config` with `context_parallel` ranks per group, against `budget` bytes per device.
+    `stock_rows`: the sequences stock GRPOTrainer backpropagates at once (`per_device_train_batch_size`); `devices`
+    bounds the context-parallel sizes suggested."""
+    account = update_account(config, setup)
+    captured = setup.prompt_tokens - 1  # all but the last prompt token are captured
+    shard = max(end - start for start, end in shard_bounds(captured, context_parallel))
+    per_shard = prompt_state_bytes(config, shard, setup.dtype_bytes, setup.state_dtype)
+    sharded = sum(n for label, n in per_shard.items() if label in SHARDED_UNDER_CP)
+    replicated = sum(n for label, n in account.state.items() if label not in SHARDED_UNDER_CP)
+    refused = tuple(label for label in account.state if label in REFUSED_UNDER_CP) if context_parallel > 1 else ()
+    trainable = account.lora.bytes if account.lora else full_fine_tuning_bytes(account)
+    stock = account.weights.bytes + trainable
+    stock += stock_activation_bytes(
+        config, setup.prompt_tokens, setup.completion_tokens, stock_rows, setup.dtype_bytes
+    )
+    plan = Plan(model, setup, context_parallel, account, sharded, replicated, refused, trainable, stock, budget)
+    if suggest and plan.fits is False and budget is not None:
+        plan = dataclasses.replace(plan, suggestions=tuple(_suggestions(config, plan, stock_rows, devices)))
+    return plan
+
+
+def full_fine_tuning_bytes(account: UpdateAccount) -> int:
+    """Every weight trainable: its gradient and AdamW's `exp_avg` and `exp_avg_sq`, each as wide as the weight
+    (torch's AdamW keeps its state in the parameter's dtype)."""
+    return 3 * account.weights.dense_bytes
+
+
+def _suggestions(config, plan: Plan, stock_rows: int, devices: int | None) -> list[dict]:
+    """Single changes of `plan`'s settings that fit its budget: fp8 state, host placement, the largest chunk sizes
+    that fit, the smallest context-parallel size that fits (at most `devices`)."""
+    setup, found = plan.setup, []
+
+    def fits(changes: dict, context_parallel: int = plan.context_parallel) -> Plan | None:
+        candidate = plan_run(
+            config, dataclasses.replace(setup, **changes), context_parallel, plan.budget, stock_rows, suggest=False
+        )
+        return candidate if candidate.fits else None
+
+    def record(changes: dict, candidate: Plan | None, context_parallel: int | None = None) -> None:
+        if candidate is not None:
+            settings = {_CONFIG_FIELDS.get(key, key): value for key, value in changes.items()}
+            if context_parallel is not None:
+                settings["context_parallel_size"] = context_parallel
+            found.append({"settings": settings, "device_bytes": candidate.device_bytes})
+
+    if setup.state_dtype == "auto" and setup.state_device == "device":
+        record({"state_dtype": "float8_e4m3fn"}, fits({"state_dtype": "float8_e4m3fn"}))
+    if setup.state_device == "device":
+        record({"state_device": "cpu"}, fits({"state_device": "cpu"}))
+    for field in ("prefill_chunk_size", "attention_chunk_size"):
+        size = getattr(setup, field) // 2
+        while size >= SMALLEST_CHUNK:
+            candidate = fits({field: size})
+            if candidate is not None:
+                record({field: size}, candidate)
+                break
+            size //= 2
+    size = plan.context_parallel * 2
+    while size <= min(devices or LARGEST_CONTEXT_PARALLEL, LARGEST_CONTEXT_PARALLEL):
+        candidate = fits({}, size)
+        if candidate is not None:
+            record({}, candidate, size)
+            break
+        size *= 2
+    return found
+
+
+# UpdateSetup fields under the names a user sets (LongStrawGRPOConfig's).
+_CONFIG_FIELDS = {"state_dtype": "prompt_state_dtype", "state_device": "prompt_state_device"}
+
+
+def recipe_plan_inputs(path: str | Path, prompt_tokens: int) -> tuple[PretrainedConfig, str, UpdateSetup, int]:
+    """(config, model name, setup, context-parallel size) of a recipe YAML (`recipes/grpo_longstraw.py --config`: the
+    fields of `LongStrawGRPOConfig` and TRL's `ModelConfig`, defaults as those dataclasses have them) at
+    `prompt_tokens` prompt tokens."""
+    import yaml
+    from trl import ModelConfig, get_peft_config, get_quantization_config
+
+    from .config import LongStrawGRPOConfig
+
+    recipe = yaml.safe_load(Path(path).read_text()) or {}
+    model_fields = {field.name for field in dataclasses.fields(ModelConfig)}
+    grpo_fields = {field.name for field in dataclasses.fields(LongStrawGRPOConfig)}
+    unknown = sorted(set(recipe) - model_fields - grpo_fields - RECIPE_SCRIPT_FIELDS)
+    if unknown:
+        raise ModelSourceError(f"{path}: fields neither LongStrawGRPOConfig nor ModelConfig has: {', '.join(unknown)}")
+    model_args = ModelConfig(**{key: value for key, value in recipe.items() if key in model_fields})
+    settings = {key: value for key, value in recipe.items() if key in grpo_fields}
+    settings.update(output_dir=settings.get("output_dir", "outputs"), report_to="none", use_cpu=True, bf16=False)
+    args = LongStrawGRPOConfig(**settings, memory_plan_prompt_length=prompt_tokens)
+    args.model_init_kwargs = {"dtype": model_args.dtype or "auto", **(args.model_init_kwargs or {})}
+    name = model_args.model_name_or_path
+    config = load_model_config(name, args.trust_remote_code)
+    setup = trainer_setup(config, name, args, get_peft_config(model_args), get_quantization_config(model_args))
+    return config, name, setup, args.context_parallel_size
+
+
+# The recipe script's own arguments (recipes/grpo_longstraw.py's LongStrawScriptArguments and TRL's ScriptArguments).
+RECIPE_SCRIPT_FIELDS = frozenset(
+    {"dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "embedded_model_type",
+     "num_prompts", "prompt_chars", "compare_with_stock_prompt_chars", "dataset_streaming",
+     "gradient_checkpointing_use_reentrant", "ignore_bias_buffers"}
+)  # fmt: skip
+
+
+class MemoryPlanError(RuntimeError):
+    """A run's plan does not fit its device (`LongStrawGRPOConfig.memory_plan="error"`)."""
+
+
+def trainer_setup(config: PretrainedConfig, model, args, peft_config=None, quantization_config=None) -> UpdateSetup:
+    """The `UpdateSetup` of a trainer about to be built: `args` (a `LongStrawGRPOConfig` with
+    `memory_plan_prompt_length` set), the model (a name or a loaded model), and the PEFT and quantization configs it
+    was given (GRPOTrainer's `peft_config` and `quantization_config` arguments)."""
+    from peft import PeftModel
+
+    if peft_config is None and isinstance(model, PeftModel):
+        peft_config = model.active_peft_config
+    init_kwargs = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
+    if isinstance(model, str):
+        quantization = quantization_config or init_kwargs.get("quantization_config")
+        dtype = init_kwargs.get("dtype", "auto")
+        dtype = (getattr(config, "dtype", None) or torch.get_default_dtype()) if dtype == "auto" else dtype
+    else:
+        quantization = getattr(model.config, "quantization_config", None)
+        dtype = model.dtype
+    if isinstance(quantization, dict):
+        quantization = SimpleNamespace(**quantization)
+    nf4 = bool(quantization) and getattr(quantization, "load_in_4bit", False)
+    nf4 = nf4 and getattr(quantization, "bnb_4bit_quant_type", "fp4") == "nf4"
+    full_width = str(dtype).removeprefix("torch.") == "float32"
+    targets = getattr(peft_config, "target_modules", None)
+    group = args.num_generations
+    rows = args.per_device_train_batch_size * (args.steps_per_generation or args.gradient_accumulation_steps)
+    rollout = args.rollout_from_prompt_state is not False and not args.use_vllm
+    rollout = rollout and not args.use_transformers_continuous_batching
+    return UpdateSetup(
+        prompt_tokens=args.memory_plan_prompt_length,
+        completion_tokens=args.max_completion_length,
+        group_size=group,
+        quantization="nf4" if nf4 else "none",
+        double_quant=bool(getattr(quantization, "bnb_4bit_use_double_quant", False)),
+        lora_rank=getattr(peft_config, "r", None),
+        lora_targets=tuple(targets) if isinstance(targets, (list, set, tuple)) else targets,
+        state_dtype=args.prompt_state_dtype,
+        state_device="cpu" if args.prompt_state_device == "cpu" else "device",
+        activation_checkpointing=bool(args.activation_checkpointing or args.gradient_checkpointing),
+        prefill_chunk_size=args.prefill_chunk_size,
+        attention_chunk_size=args.attention_chunk_size,
+        dtype_bytes=4 if full_width else 2,
+        # a process's rows that do not hold whole groups can start mid-group: one more prompt at most
+        prompts_per_generation=(-(-rows // group) + (1 if rows % group else 0)) if rollout else 0,
+    )
+
+
+def plan_at_construction(
+    config: PretrainedConfig, model, args, peft_config=None, quantization_config=None
+) -> Plan | None:
+    """The trainer's pre-flight plan (`LongStrawGRPOConfig.memory_plan*`): None when not asked for; logged once;
+    raises `MemoryPlanError` (or warns) when it does not fit the device."""
+    if args.memory_plan == "off" or args.memory_plan_prompt_length is None:
+        return None
+    budget = None
+    if args.memory_plan_device_gib is not None:
+        budget = int(args.memory_plan_device_gib * GIB)
+    elif torch.cuda.is_available():
+        budget = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+    name = model if isinstance(model, str) else config._name_or_path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' and PEFT's notes while building the meta-device skeleton
+        plan = plan_run(
+            config,
+            trainer_setup(config, model, args, peft_config, quantization_config),
+            args.context_parallel_size,
+            budget,
+            args.per_device_train_batch_size,
+            model=name,
+        )
+    text = format_plan(plan)
+    if args.prompt_gradient == "exact":
+        text += "\n(prompt_gradient='exact': its prompt backward is not modelled; the plan is a lower bound.)"
+    logger.info("LongStraw memory plan (memory_plan_prompt_length=%d):\n%s", args.memory_plan_prompt_length, text)
+    if plan.fits is False:
+        message = (
+            f"The run does not fit the device by its memory plan (memory_plan_prompt_length="
+            f"{args.memory_plan_prompt_length}):\n{text}\nChange a setting above, or set memory_plan='warn' to go on."
+        )
+        if args.memory_plan == "error":
+            raise MemoryPlanError(message)
+        logger.warning(message)
+    return plan
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as the console shows it: one table per device, stock's lower bound, the verdict and suggestions."""
+    setup = plan.setup
+    mode = f"LoRA r{setup.lora_rank}" if setup.lora_rank else "full fine-tuning"
+    weights = "NF4" if setup.quantization == "nf4" else f"{8 * setup.dtype_bytes}-bit"
+    state = "fp8 pages" if setup.state_dtype == "float8_e4m3fn" else "model dtype"
+    place = "device" if setup.state_device == "device" else "host"
+    lines = [
+        (
+            f"{plan.model or 'model'}: P = {setup.prompt_tokens:,}, G = {setup.group_size}, R = "
+            f"{setup.completion_tokens:,}, {weights} weights, {mode}, state in {state} on the {place}, context "
+            f"parallel {plan.context_parallel}, detach mode"
+        ),
+        "",
+        "per device                                           GiB",
+    ]
+    for name, value in plan.phases.items():
+        lines.append(f"  {name:<50}{value / GIB:>10,.2f}")
+    lines += [
+        f"  {'peak of the update (state + working set)':<50}{plan.update_peak / GIB:>10,.2f}",
+        f"  {'peak of the rollout (states + decoded rows)':<50}{plan.rollout_peak / GIB:>10,.2f}",
+        f"  {'total (weights + trainable + larger peak)':<50}{plan.device_bytes / GIB:>10,.2f}",
+    ]
+    if plan.host_bytes:
+        lines.append(f"  {'host memory (prompt state)':<50}{plan.host_bytes / GIB:>10,.2f}")
+    lines.append(f"  {'stock GRPOTrainer, lower bound':<50}{plan.stock_lower_bound / GIB:>10,.2f}")
+    lines.append("")
+    if plan.refused_under_cp:
+        lines.append(f"REFUSED: context parallelism does not serve {', '.join(plan.refused_under_cp)} layers.")
+    elif plan.budget is None:
+        lines.append("No device memory given (--gpu-memory): not checked against a budget.")
+    elif plan.fits:
+        lines.append(f"FITS: {plan.device_bytes / GIB:,.2f} of {plan.budget / GIB:,.2f} GiB per device.")
+    else:
+        lines.append(
+            f"DOES NOT FIT: {plan.device_bytes / GIB:,.2f} GiB needed, {plan.budget / GIB:,.2f} GiB per device."
+        )
+        if plan.suggestions:
+            lines.append("Each of these settings alone would fit:")
+            for suggestion in plan.suggestions:
+                settings = ", ".join(f"{key}={value}" for key, value in suggestion["settings"].items())
+                lines.append(f"  {settings}: {suggestion['device_bytes'] / GIB:,.2f} GiB")
+        else:
+            lines.append("No single setting fits: combine them, or use more devices.")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "MemoryPlanError",
+    "ModelSourceError",
+    "Plan",
+    "format_plan",
+    "load_model_config",
+    "plan_at_construction",
+    "plan_run",
+    "trainer_setup",
+]
