@@ -283,3 +283,16 @@ def test_glm5_width_latent_pages_take_the_cuda_kernels(dtype, monkeypatch):
 
 def test_bf16_under_cuda_autocast_accumulates_like_fp32():
     bf16_autocast_check("cuda")
+
+
+def test_fsdp2_on_one_gpu_gives_the_unsharded_log_probs_and_gradients(tmp_path):
+    """The FSDP2 path (root hooks, the agreement before each pass, the synced reduction) on a 1-rank NCCL group."""
+    import torch.distributed as dist
+
+    from .test_fsdp import check_one_rank_engine_against_the_unsharded_model
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        check_one_rank_engine_against_the_unsharded_model("cuda")
+    finally:
+        dist.destroy_process_group()

@@ -60,9 +60,45 @@ def test_every_suggestion_for_a_run_that_does_not_fit_fits_when_planned():
     for suggestion in plan.suggestions:
         settings = dict(suggestion["settings"])
         context_parallel = settings.pop("context_parallel_size", 1)
+        settings.pop("shard_weights", None)
         renamed = {SETUP_FIELDS.get(key, key): value for key, value in settings.items()}
-        again = plan_run(config, dataclasses.replace(SETUP, **renamed), context_parallel, budget)
+        again = plan_run(
+            config, dataclasses.replace(SETUP, **renamed), context_parallel, budget,
+            weight_shards=suggestion["weight_shards"],
+        )  # fmt: skip
         assert again.fits and again.device_bytes == suggestion["device_bytes"]
+
+
+def test_fsdp2_shards_the_weights_and_adam_state_and_keeps_the_gradient_whole_through_the_window():
+    config = tiny_config("qwen3")
+    full = dataclasses.replace(SETUP, lora_rank=None)
+    whole, sharded = plan_run(config, full), plan_run(config, full, weight_shards=4)
+    weights = whole.account.weights.bytes
+    gradient = whole.account.weights.dense_bytes  # one value per weight
+    assert sharded.trainable_share == -(-2 * gradient // 4) + gradient
+    assert sharded.weight_bytes == -(-weights // 4) + sharded.gathered_bytes
+    assert sharded.device_bytes == whole.device_bytes - (weights - sharded.weight_bytes) - (
+        whole.trainable_bytes - sharded.trainable_share
+    )
+    with pytest.raises(ValueError, match="NF4"):
+        plan_run(config, dataclasses.replace(SETUP, quantization="nf4"), weight_shards=2)
+
+
+def test_fsdp2s_gathered_weights_are_the_root_module_and_one_decoder_layer():
+    model = build_model("qwen3")
+    plan = plan_run(model.config, dataclasses.replace(SETUP, dtype_bytes=4), weight_shards=2)
+    root = [model.model.embed_tokens, model.model.norm, model.lm_head]
+    root_bytes = sum(p.nbytes for module in root for p in module.parameters())
+    layer_bytes = max(sum(p.nbytes for p in layer.parameters()) for layer in model.model.layers)
+    assert plan.gathered_bytes == pytest.approx(root_bytes + layer_bytes, rel=0.02)
+
+
+def test_shard_weights_is_suggested_for_a_full_fine_tune_that_does_not_fit_one_device(capsys):
+    args = ["plan", "qwen3_8b", "--prompt-length", "131072", "--lora-r", "0", "--gpu-memory", "80", "--gpus", "8"]
+    assert cli.main(args) == 1
+    assert "shard_weights=True (FSDP2 over 8 ranks)" in capsys.readouterr().out
+    assert cli.main([*args, "--weight-shards", "8"]) == 0
+    assert "weights sharded over 8 ranks (FSDP2)" in capsys.readouterr().out
 
 
 def test_a_config_is_read_from_a_folder_a_json_file_or_an_architecture_name(tmp_path):
@@ -102,6 +138,9 @@ def test_the_script_names_an_unreadable_model_and_exits_2(capsys):
         (["--prompt-length", "0"], "--prompt-length must be at least 1"),
         (["--prompt-length", "9", "--load-in-4bit", "--lora-r", "0"], "QLoRA.*--lora-r > 0"),
         (["--prompt-length", "9", "--context-parallel-size", "4", "--gpus", "2"], "exceeds --gpus 2"),
+        (["--prompt-length", "9", "--weight-shards", "0"], "--weight-shards must be at least 1"),
+        (["--prompt-length", "9", "--weight-shards", "2", "--load-in-4bit"], "FSDP2 does not shard NF4"),
+        (["--prompt-length", "9", "--weight-shards", "2", "--context-parallel-size", "2"], "not composed yet"),
     ],
 )
 def test_bad_flags_are_refused_before_any_config_is_read(flags, message, monkeypatch, capsys):

@@ -59,6 +59,12 @@ def plan_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--activation-checkpointing", action="store_true", help="checkpoint the replay's layers")
     parser.add_argument("--context-parallel-size", type=int, default=1)
     parser.add_argument(
+        "--weight-shards",
+        type=int,
+        default=1,
+        help="ranks the weights, gradients and AdamW state are sharded over (FSDP2, `shard_weights=True`)",
+    )
+    parser.add_argument(
         "--per-device-train-batch-size",
         type=int,
         default=_default(GRPOConfig, "per_device_train_batch_size"),
@@ -80,6 +86,14 @@ def check_plan_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if args.context_parallel_size < 1:
         parser.error(f"--context-parallel-size must be at least 1, got {args.context_parallel_size}")
+    if args.weight_shards < 1:
+        parser.error(f"--weight-shards must be at least 1, got {args.weight_shards}")
+    if args.weight_shards > 1 and args.load_in_4bit:
+        parser.error("--weight-shards with --load-in-4bit: FSDP2 does not shard NF4 weights; drop one of them")
+    if args.weight_shards > 1 and args.context_parallel_size > 1:
+        parser.error("--weight-shards with --context-parallel-size: not composed yet (docs/sharded-weights.md)")
+    if args.gpus is not None and args.weight_shards > args.gpus:
+        parser.error(f"--weight-shards {args.weight_shards} exceeds --gpus {args.gpus}")
     if args.gpus is not None and args.context_parallel_size > args.gpus:
         parser.error(f"--context-parallel-size {args.context_parallel_size} exceeds --gpus {args.gpus}")
     if args.load_in_4bit and args.lora_r == 0:
@@ -113,6 +127,7 @@ def run_plan(args: argparse.Namespace) -> int:
             args.per_device_train_batch_size,
             model=name,
             devices=args.gpus,
+            weight_shards=args.weight_shards,
         )
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     return 1 if plan.fits is False else 0

@@ -90,6 +90,11 @@ class LongStrawGRPOConfig(GRPOConfig):
             docs/context-parallel.md). The world must be a multiple of it: `world = data parallel x context parallel`. Unset: the
             `cp_size` of Accelerate's `parallelism_config` (in the training args, or in an accelerate config file's
             `parallelism_config` section), else 1. Set both and they must agree.
+        shard_weights (`bool`, *optional*, defaults to `False`):
+            Shard the weights, their gradients and the optimizer state over every rank with PyTorch's FSDP2: the
+            trainer applies `fully_shard` to each decoder layer (the classes the model lists in `_no_split_modules`),
+            then to the causal LM, after any PEFT wrapping (see docs/sharded-weights.md). A model already sharded with
+            `fully_shard` is used as it is, without this flag.
 
         > Parameters that control the LongStraw metrics
 
@@ -177,6 +182,14 @@ class LongStrawGRPOConfig(GRPOConfig):
             "single-process gradient. The world size must be a multiple of it (world = data parallel x context "
             "parallel; consecutive ranks form a context-parallel group). Unset: the cp_size of Accelerate's "
             "parallelism_config if one is configured, else 1."
+        },
+    )
+    shard_weights: bool = field(
+        default=False,
+        metadata={
+            "help": "Shard the weights, gradients and optimizer state over every rank with FSDP2 (fully_shard on each "
+            "decoder layer, then on the causal LM, after any PEFT wrapping). A model already sharded with fully_shard "
+            "is used as it is."
         },
     )
     memory_plan_prompt_length: int | None = field(
@@ -364,11 +377,12 @@ class LongStrawGRPOConfig(GRPOConfig):
             else:
                 where = "`deepspeed`/`fsdp`"
             raise ValueError(
-                "LongStrawGRPOTrainer supports data parallelism through DDP (plain `accelerate launch`), not "
-                f"DeepSpeed, FSDP or tensor parallelism ({where}): the serial replay runs on the unsharded model. "
-                "Launch without them; to "
-                "fit a large model use QLoRA (`load_in_4bit`), `prompt_state_device='cpu'`, or one process whose model "
-                "`device_map` splits over the machine's GPUs."
+                "LongStrawGRPOTrainer shards weights with PyTorch's FSDP2 under its own control, not through "
+                f"DeepSpeed, Accelerate's FSDP or tensor parallelism ({where}): its update runs a data-dependent number "
+                "of forwards and backwards per rank, which those engines do not keep in step. Launch with a plain "
+                "multi-process accelerate config (`accelerate launch --multi_gpu --num_processes N`) and set "
+                "shard_weights=True (FSDP2 over every rank), or pass a model you sharded with `fully_shard`; see "
+                "docs/sharded-weights.md."
             )
         if self.neftune_noise_alpha is not None:
             raise ValueError(

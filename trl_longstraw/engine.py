@@ -26,6 +26,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .attention import ATTENTION_IMPLEMENTATION, STATE_KWARG, register_attention
@@ -236,7 +237,7 @@ class LongStrawEngine:
         state = self.empty_state(model, num_tokens, first_position)
         for chunk_index, start in enumerate(range(0, num_tokens, self.prefill_chunk_size)):
             end = min(start + self.prefill_chunk_size, num_tokens)
-            _, load = self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk_index)
+            _, load, _ = self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk_index)
             state.add_router_load(load)
         state.check_captured()
         if not state.all_finite():  # checked as each chunk was written; one device sync here
@@ -245,9 +246,9 @@ class LongStrawEngine:
 
     def _backbone_forward(
         self, model, state, mode, token_ids, start, chunk_index
-    ) -> tuple[StateAccess, RouterLoad | None]:
-        """One prompt chunk through the decoder stack (capture, or exact-mode recompute), pages read up to `start`;
-        with `routing`, also the chunk's router load (with its graph when recomputing)."""
+    ) -> tuple[StateAccess, RouterLoad | None, object]:
+        """One prompt chunk through the decoder stack (capture, or exact-mode recompute), pages read up to `start`:
+        the access, with `routing` the chunk's router load (with its graph when recomputing), and the outputs."""
         device = self._device(model)
         first_position = state.start_position + start
         positions, position_ids = absolute_positions(first_position, token_ids.numel(), device)
@@ -261,17 +262,21 @@ class LongStrawEngine:
             every_output_read=self.routing is not None,
         )
         routed = {} if self.routing is None else {"output_router_logits": True}
-        outputs = model.base_model(
+        # Under FSDP2 the causal LM's own forward runs its root hooks, which gather the embeddings (and the one
+        # position of LM head computed here); otherwise the backbone alone.
+        sharded = isinstance(model, FSDPModule)
+        outputs = (model if sharded else model.base_model)(
             input_ids=token_ids.to(device)[None],
             position_ids=position_ids[None],
             cache=access,
             use_cache=False,
+            **({"logits_to_keep": 1} if sharded else {}),
             **routed,
             **{STATE_KWARG: access},
         )
         if self.routing is None:
-            return access, None
-        return access, RouterLoad.of(outputs.router_logits, self.routing, torch.ones_like(position_ids))
+            return access, None, outputs
+        return access, RouterLoad.of(outputs.router_logits, self.routing, torch.ones_like(position_ids)), outputs
 
     def _member_forward(self, model, state, last_prompt_token, completions, lengths):
         """Log-probs and entropies of `completions [n, T]` (right-padded; `lengths [n]` real tokens) given the state,
@@ -433,7 +438,9 @@ class LongStrawEngine:
         """One chunk of the prompt backward: recompute prompt tokens `start .. end - 1` under autograd and push the
         gradient its state entries accumulated (and with `router_weights` the load-balancing loss's share through its
         routing) into the parameters. `offset`: where this process's state starts (its shard, under CP)."""
-        access, load = self._backbone_forward(model, state, "recompute", prompt_ids[start:end], start, chunk_index)
+        access, load, outputs = self._backbone_forward(
+            model, state, "recompute", prompt_ids[start:end], start, chunk_index
+        )
         pairs = [
             pair
             for layer_state, recorded in access.recorded.items()
@@ -441,6 +448,11 @@ class LongStrawEngine:
         ]
         if router_weights is not None:
             pairs.append((load.objective(router_weights), torch.ones((), device=load.probs.device)))
+        if isinstance(model, FSDPModule):
+            # FSDP2 gathers a layer's weights for its backward when the gradient reaches the layer's outputs, while
+            # these entries sit inside the layers: a zero gradient through the outputs reaches each layer first
+            # (autograd runs the later-created node first), and keeps every rank's passes alike (fsdp.py)
+            pairs.append((outputs.logits, torch.zeros_like(outputs.logits)))
         # An entry computed from frozen parameters alone (the first layer's keys under LoRA on q_proj/v_proj, PEFT's
         # default targets) has a gradient but no graph: nothing it could push that gradient into trains.
         pairs = [(tensor, grad) for tensor, grad in pairs if tensor.requires_grad]

@@ -5,8 +5,10 @@ their gradients and AdamW state, the prompt state (this rank's share under conte
 counted apart), the working sets of the capture, the replay and the rollout, and their peak (`UpdateAccount`'s two
 peaks: the update's and the rollout's) against the device's memory; stock `GRPOTrainer`'s lower bound for the same
 run; and, when the run does not fit, the single settings that would (`Plan.suggestions`: fp8 state pages, host
-placement, smaller chunks, the smallest context-parallel size). Detach mode: exact mode's prompt backward is not
-modelled. `trl-longstraw plan` (`cli.py`) prints it; the byte counts are `accounting`'s (weights, adapters and state
+placement, smaller chunks, the smallest context-parallel size, weights sharded over the devices). With the weights
+sharded by FSDP2 (`weight_shards`), each device holds its share of the weights and trainable values plus what FSDP2
+gathers at once: the root module (embeddings, final norm, head) and one decoder layer. Detach mode: exact mode's
+prompt backward is not modelled. `trl-longstraw plan` (`cli.py`) prints it; the byte counts are `accounting`'s (weights, adapters and state
 checked against real allocations, working sets estimated).
 """
 
@@ -94,6 +96,8 @@ class Plan:
     stock_lower_bound: int
     budget: int | None
     suggestions: tuple[dict, ...] = ()
+    weight_shards: int = 1  # ranks sharing the weights' shards (FSDP2)
+    gathered_bytes: int = 0  # what FSDP2 gathers at once: the root module and one decoder layer (0 unsharded)
 
     @property
     def state_bytes(self) -> int:
@@ -108,12 +112,43 @@ class Plan:
         return self.state_bytes - self.state_on_device
 
     @property
+    def weight_bytes(self) -> int:
+        """This device's share of the weights, with what FSDP2 gathers at once."""
+        return -(-self.account.weights.bytes // self.weight_shards) + self.gathered_bytes
+
+    @property
+    def gradient_bytes(self) -> int:
+        """The trainable values' gradients (part of `trainable_bytes`): one value each."""
+        lora = self.account.lora
+        return lora.params * lora.value_bytes if lora else self.trainable_bytes // 3
+
+    @property
+    def trainable_share(self) -> int:
+        """This device's trainable bytes: under FSDP2 its share of the values and AdamW state, and the whole gradient,
+        which LongStraw accumulates unsharded through the accumulation window and reduce-scatters once at its end."""
+        if self.weight_shards == 1:
+            return self.trainable_bytes
+        return -(-(self.trainable_bytes - self.gradient_bytes) // self.weight_shards) + self.gradient_bytes
+
+    @property
     def phases(self) -> dict[str, int]:
         """What the device holds, term by term; `device_bytes` is the peak over the update and the rollout."""
         account = self.account
+        if self.weight_shards == 1:
+            weights = {
+                "weights": account.weights.bytes,
+                "trainable values, gradients and AdamW state": self.trainable_bytes,
+            }
+        else:
+            share = f" (1/{self.weight_shards})"
+            weights = {
+                f"weights{share}": -(-account.weights.bytes // self.weight_shards),
+                "weights gathered at once (root module + one layer)": self.gathered_bytes,
+                f"trainable values and AdamW state{share}": self.trainable_share - self.gradient_bytes,
+                "gradients (whole until the window's reduce-scatter)": self.gradient_bytes,
+            }
         return {
-            "weights": account.weights.bytes,
-            "trainable values, gradients and AdamW state": self.trainable_bytes,
+            **weights,
             "prompt state": self.state_on_device,
             "capture working set (one chunk)": account.capture.bytes,
             "replay working set (one member)": account.replay.bytes,
@@ -131,7 +166,7 @@ class Plan:
 
     @property
     def device_bytes(self) -> int:
-        return self.account.weights.bytes + self.trainable_bytes + max(self.update_peak, self.rollout_peak)
+        return self.weight_bytes + self.trainable_share + max(self.update_peak, self.rollout_peak)
 
     @property
     def fits(self) -> bool | None:
@@ -142,7 +177,11 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "model": self.model,
-            "settings": {**dataclasses.asdict(self.setup), "context_parallel_size": self.context_parallel},
+            "settings": {
+                **dataclasses.asdict(self.setup),
+                "context_parallel_size": self.context_parallel,
+                "weight_shards": self.weight_shards,
+            },
             "per_device_bytes": self.phases,
             "update_peak_bytes": self.update_peak,
             "rollout_peak_bytes": self.rollout_peak,
@@ -165,10 +204,17 @@ def plan_run(
     model: str = "",
     devices: int | None = None,
     suggest: bool = True,
+    weight_shards: int = 1,
 ) -> Plan:
-    """The `Plan` of `setup` on `config` with `context_parallel` ranks per group, against `budget` bytes per device.
-    `stock_rows`: the sequences stock GRPOTrainer backpropagates at once (`per_device_train_batch_size`); `devices`
-    bounds the context-parallel sizes suggested."""
+    """The `Plan` of `setup` on `config` with `context_parallel` ranks per group and the weights sharded over
+    `weight_shards` ranks (FSDP2), against `budget` bytes per device. `stock_rows`: the sequences stock GRPOTrainer
+    backpropagates at once (`per_device_train_batch_size`); `devices` bounds the context-parallel sizes and shards
+    suggested."""
+    if weight_shards > 1 and setup.quantization != "none":
+        raise ValueError(
+            "weight_shards > 1 with NF4 weights: FSDP2 does not shard bitsandbytes' packed weights (the trainer "
+            "refuses shard_weights with a quantized model). Plan QLoRA without sharding, or bf16 weights sharded."
+        )
     account = update_account(config, setup)
     captured = setup.prompt_tokens - 1  # all but the last prompt token are captured
     shard = max(end - start for start, end in shard_bounds(captured, context_parallel))
@@ -177,14 +223,30 @@ def plan_run(
     replicated = sum(n for label, n in account.state.items() if label not in SHARDED_UNDER_CP)
     refused = tuple(label for label in account.state if label in REFUSED_UNDER_CP) if context_parallel > 1 else ()
     trainable = account.lora.bytes if account.lora else full_fine_tuning_bytes(account)
-    stock = account.weights.bytes + trainable
+    gathered = gathered_weight_bytes(config, account, setup.dtype_bytes) if weight_shards > 1 else 0
+    # stock under FSDP2 shards the same bytes and gathers the same modules
+    stock = -(-(account.weights.bytes + trainable) // weight_shards) + gathered
     stock += stock_activation_bytes(
         config, setup.prompt_tokens, setup.completion_tokens, stock_rows, setup.dtype_bytes
     )
-    plan = Plan(model, setup, context_parallel, account, sharded, replicated, refused, trainable, stock, budget)
+    plan = Plan(
+        model, setup, context_parallel, account, sharded, replicated, refused, trainable, stock, budget,
+        weight_shards=weight_shards, gathered_bytes=gathered,
+    )  # fmt: skip
     if suggest and plan.fits is False and budget is not None:
         plan = dataclasses.replace(plan, suggestions=tuple(_suggestions(config, plan, stock_rows, devices)))
     return plan
+
+
+def gathered_weight_bytes(config: PretrainedConfig, account: UpdateAccount, dtype_bytes: int) -> int:
+    """What FSDP2 holds gathered at once under LongStraw's sharding (`fully_shard` on each decoder layer, then on the
+    causal LM): the root module's weights (input embeddings, the head unless tied; FSDP2 keeps the root gathered
+    between its forward and backward) and one decoder layer's, the rest of the weights spread evenly over the layers."""
+    text = config.get_text_config()
+    embedding = text.vocab_size * text.hidden_size * dtype_bytes
+    root = embedding * (1 if getattr(text, "tie_word_embeddings", False) else 2)
+    layer = max(account.weights.bytes - root, 0) // max(text.num_hidden_layers, 1)
+    return root + layer
 
 
 def full_fine_tuning_bytes(account: UpdateAccount) -> int:
@@ -198,9 +260,15 @@ def _suggestions(config, plan: Plan, stock_rows: int, devices: int | None) -> li
     that fit, the smallest context-parallel size that fits (at most `devices`)."""
     setup, found = plan.setup, []
 
-    def fits(changes: dict, context_parallel: int = plan.context_parallel) -> Plan | None:
+    def fits(changes: dict, context_parallel: int = plan.context_parallel, shards: int = plan.weight_shards):
         candidate = plan_run(
-            config, dataclasses.replace(setup, **changes), context_parallel, plan.budget, stock_rows, suggest=False
+            config,
+            dataclasses.replace(setup, **changes),
+            context_parallel,
+            plan.budget,
+            stock_rows,
+            suggest=False,
+            weight_shards=shards,
         )
         return candidate if candidate.fits else None
 
@@ -209,7 +277,15 @@ def _suggestions(config, plan: Plan, stock_rows: int, devices: int | None) -> li
             settings = {_CONFIG_FIELDS.get(key, key): value for key, value in changes.items()}
             if context_parallel is not None:
                 settings["context_parallel_size"] = context_parallel
-            found.append({"settings": settings, "device_bytes": candidate.device_bytes})
+            if candidate.weight_shards != plan.weight_shards:
+                settings["shard_weights"] = True
+            found.append(
+                {
+                    "settings": settings,
+                    "weight_shards": candidate.weight_shards,
+                    "device_bytes": candidate.device_bytes,
+                }
+            )
 
     if setup.state_dtype == "auto" and setup.state_device == "device":
         record({"state_dtype": "float8_e4m3fn"}, fits({"state_dtype": "float8_e4m3fn"}))
@@ -230,6 +306,8 @@ def _suggestions(config, plan: Plan, stock_rows: int, devices: int | None) -> li
             record({}, candidate, size)
             break
         size *= 2
+    if plan.weight_shards == 1 and setup.quantization == "none" and devices is not None and devices > 1:
+        record({}, fits({}, shards=devices))  # FSDP2 over every device (data parallel: each trains its own rows)
     return found
 
 
@@ -342,6 +420,7 @@ def plan_at_construction(
             budget,
             args.per_device_train_batch_size,
             model=name,
+            weight_shards=weight_shards_at_construction(model, args),
         )
     text = format_plan(plan)
     if args.prompt_gradient == "exact":
@@ -358,6 +437,20 @@ def plan_at_construction(
     return plan
 
 
+def weight_shards_at_construction(model, args) -> int:
+    """The ranks the trainer shards the weights over: every rank with `shard_weights`, or as many as a model already
+    sharded with `fully_shard` spans; 1 otherwise."""
+    if not isinstance(model, str):
+        from torch.distributed.tensor import DTensor
+
+        meshes = [p.device_mesh for p in model.parameters() if isinstance(p, DTensor)]
+        if meshes:
+            return meshes[0].size()
+    if args.shard_weights:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    return 1
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as the console shows it: one table per device, stock's lower bound, the verdict and suggestions."""
     setup = plan.setup
@@ -369,7 +462,9 @@ def format_plan(plan: Plan) -> str:
         (
             f"{plan.model or 'model'}: P = {setup.prompt_tokens:,}, G = {setup.group_size}, R = "
             f"{setup.completion_tokens:,}, {weights} weights, {mode}, state in {state} on the {place}, context "
-            f"parallel {plan.context_parallel}, detach mode"
+            f"parallel {plan.context_parallel}, "
+            + (f"weights sharded over {plan.weight_shards} ranks (FSDP2), " if plan.weight_shards > 1 else "")
+            + "detach mode"
         ),
         "",
         "per device                                           GiB",
@@ -399,6 +494,8 @@ def format_plan(plan: Plan) -> str:
             lines.append("Each of these settings alone would fit:")
             for suggestion in plan.suggestions:
                 settings = ", ".join(f"{key}={value}" for key, value in suggestion["settings"].items())
+                if "shard_weights" in suggestion["settings"]:
+                    settings += f" (FSDP2 over {suggestion['weight_shards']} ranks)"
                 lines.append(f"  {settings}: {suggestion['device_bytes'] / GIB:,.2f} GiB")
         else:
             lines.append("No single setting fits: combine them, or use more devices.")

@@ -12,7 +12,10 @@ it returns them as the outputs of a [`~trl_longstraw.loss.ReplayedScores`] node,
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -21,6 +24,7 @@ import torch
 from accelerate.utils import is_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoConfig, TrainerCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context, profiling_decorator
@@ -42,6 +46,7 @@ from .context_parallel import (
 )
 from .distributed import average_gradients
 from .engine import ensure_finite, non_finite_error, stock_attention, weights_version
+from .fsdp import ShardedPasses, check_sharded_layout, fully_shard_model, is_sharded, sharded_mesh_group
 from .load_balancing import moe_routing
 from .loss import member_backward, replayed_scores
 from .plan import GIB, plan_at_construction
@@ -302,6 +307,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 check_device_map(self._causal_lm(policy_or_ref))
         if self._is_vlm:
             raise ValueError("LongStrawGRPOTrainer supports text-only causal LMs; this model is vision-language.")
+        if args.shard_weights and not is_sharded(self._causal_lm(self.model)):
+            fully_shard_model(self._causal_lm(self.model))  # after PEFT wrapping (TRL's), before the optimizer
+        sharded = is_sharded(self._causal_lm(self.model))
+        if sharded:  # FSDP2 (fsdp.py)
+            self._check_sharded(args)
+            # Trainer's flag for a model that owns its placement and gradient reduction: Accelerate neither wraps it
+            # in DDP (which rejects DTensor parameters) nor shards it again.
+            self.is_distributed_loading_by_transformers = True
         # TRL adds the MoE load-balancing loss over every token of prompt + completion: summed apart (load_balancing.py)
         routing = moe_routing(self._causal_lm(self.model)) if self.aux_loss_enabled else None
         register_attention()
@@ -312,6 +325,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         # own, and how the model numbers positions.
         check_capture_matches_own_forward(self._causal_lm(self.model))
         self._positions_follow_mask = positions_follow_mask(self._causal_lm(self.model))
+        # Every rank ran the same pre-flight passes; from here on the ranks holding shards agree pass by pass.
+        self._sharded = (
+            ShardedPasses(
+                self._causal_lm(self.model), self.accelerator.device, sharded_mesh_group(self._causal_lm(self.model))
+            )
+            if sharded
+            else None
+        )
         state_device = None if args.prompt_state_device == "auto" else torch.device(args.prompt_state_device)
         # Context parallelism (the context_parallel package): None, or this rank's CP group.
         self._context_parallel = (
@@ -334,6 +355,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._kept: _KeptState | None = None
         self._first_turn: dict[tuple[int, ...], PromptRows] | None = None  # a generation's prompts, for its tool turns
         self._reached: list[torch.nn.Parameter] | None = None
+        self._deferred_replays: list[functools.partial] = []  # under FSDP2 (`_run_deferred_replays`)
         self.rollout_from_prompt_state = self._resolve_rollout(args)
         self._warned_own_generate = False
         if self._context_parallel is not None and self.eval_dataset is not None:  # refused now, not when evaluating
@@ -381,6 +403,44 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         """The causal LM that carries the fused LM head: DDP unwrapped, PEFT's injected base model."""
         model = self.accelerator.unwrap_model(model)
         return model.get_base_model() if is_peft_model(model) else model
+
+    @contextlib.contextmanager
+    def _sharded_phase(self, finish: bool = True):
+        """A phase of the update whose passes differ between ranks: under FSDP2, every rank answers the others' passes
+        when it ends, before the collectives that follow it (`ShardedPasses.finish_phase`)."""
+        yield
+        if finish and self._sharded is not None:
+            self._sharded.finish_phase()
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        """Trainer's `no_sync` for an FSDP2 model it did not wrap. LongStraw keeps FSDP2's gradient sync off through the
+        whole accumulation window and reduces once at its end (`ShardedPasses.reduce_gradients`): nothing to do."""
+        yield
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Trainer's save. Under FSDP2 every rank joins the gathering of the whole state dict, onto the first rank's
+        host, which writes it (the other ranks get none)."""
+        if self._sharded is not None and state_dict is None:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state_dict = get_model_state_dict(self.model, options=options)
+        super()._save(output_dir, state_dict=state_dict)
+
+    def _check_sharded(self, args: LongStrawGRPOConfig) -> None:
+        """FSDP2 as LongStraw drives it (fsdp.py): the layout, and the settings not composed with it."""
+        check_sharded_layout(self._causal_lm(self.model))
+        save_strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+        if save_strategy != "no" and not args.save_only_model:
+            raise ValueError(
+                f"save_strategy={save_strategy!r} with weights sharded by FSDP2: the optimizer's sharded state is "
+                "not checkpointed, so a checkpoint could not be resumed. Set save_only_model=True (the weights, "
+                "gathered, are saved) or save_strategy='no'."
+            )
+        if args.context_parallel_size > 1:
+            raise ValueError(
+                f"context_parallel_size={args.context_parallel_size} with a model sharded by FSDP2: the two are not "
+                "composed yet. Set context_parallel_size=1 (every rank trains its own rows on the sharded weights)."
+            )
 
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"
@@ -555,17 +615,23 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         )
         causal_lm = self._causal_lm(model)
         routing = self.engine.routing if compute_aux_loss else None
-        logps, entropies, order, load = self._score_groups(
-            causal_lm, groups, completion_ids, reference, router_load=routing is not None
-        )
+        with self._sharded_phase():
+            logps, entropies, order, load = self._score_groups(
+                causal_lm, groups, completion_ids, reference, router_load=routing is not None
+            )
         aux_loss = None if load is None else load.loss(routing)
         if torch.is_grad_enabled():
 
             def replay(grad_logps, grad_entropies, grad_aux_loss):
                 router_weights = None if grad_aux_loss is None else load.weights(routing, grad_aux_loss)
-                self.replay_backward(
-                    causal_lm, order[::-1], completion_ids, grad_logps, grad_entropies, router_weights
-                )
+                replays = functools.partial(
+                    self.replay_backward, causal_lm, order[::-1], completion_ids, grad_logps, grad_entropies,
+                    router_weights,
+                )  # fmt: skip
+                if self._sharded is None:
+                    replays()
+                else:  # FSDP2 frees a layer's gathered weights after its forward only outside a backward (fsdp.py)
+                    self._deferred_replays.append(replays)
 
             logps, entropies, aux_loss = replayed_scores(replay, logps, entropies, aux_loss)
         return logps, entropies if compute_entropy else None, aux_loss
@@ -660,6 +726,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 else:
                     self._kept = _KeptState(group, state)
                 del state
+            if self._sharded is not None:  # FSDP2 reduces the gradients, once per window (fsdp.py)
+                self._sharded.finish_phase()
+                if self.accelerator.sync_gradients:
+                    self._sharded.reduce_gradients()
+                return
             self._give_every_reached_parameter_a_gradient(causal_lm, groups, completion_ids, replayed)
             if self.accelerator.sync_gradients:  # over every rank (under CP too: `build_context_parallel_group`)
                 average_gradients(self._reached)
@@ -706,7 +777,29 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         loss = self.compute_loss(model, inputs)
         ensure_finite(loss.detach(), "the GRPO loss computed from the scored log-probs")
         loss.backward()
+        self._run_deferred_replays()
         return loss.detach()
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """GRPOTrainer's step; under FSDP2, then the replays its backward deferred (`_run_deferred_replays`)."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        start = time.perf_counter()
+        if self._run_deferred_replays():  # their time in TRL's step_time, as the replays inside a backward are
+            elapsed = time.perf_counter() - start
+            if self._step % self.current_gradient_accumulation_steps == 0:  # the window closed: its time is logged
+                self._metrics["train"]["step_time"][-1] += elapsed
+            else:
+                self._current_train_step_time += elapsed
+        return loss
+
+    def _run_deferred_replays(self) -> bool:
+        """Run the replays a loss's backward handed over (under FSDP2, which reshards each layer after its forward
+        only outside a backward: inside it, every layer a replay runs would stay gathered). Whether any ran."""
+        deferred, self._deferred_replays = self._deferred_replays, []
+        with torch.enable_grad():
+            for replays in deferred:
+                replays()
+        return bool(deferred)
 
     # ---------------------------------------------------------------------------------------------------------------
     # Cheap checks before generation, telemetry per mode
@@ -721,6 +814,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         return prompt_ids, images, multimodal_fields
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """One turn of generation (`_generate_turn`). Under FSDP2 the ranks finish the generation here without tools,
+        after the tool loop (`_tool_call_loop`) with them."""
+        with self._sharded_phase(finish=not self.tools):
+            return self._generate_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
+            )
+
+    def _generate_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """GRPOTrainer's generation, from one capture per distinct prompt (`rollout_from_prompt_state`).
 
         The batch is what `generate` would get (left-padded to `pad_to_multiple_of`); see `trl_longstraw.rollout`. The
@@ -824,6 +925,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             return super()._generate(prompts)
         finally:
             self._first_turn = None
+
+    def _tool_call_loop(self, *args, **kwargs):
+        """GRPOTrainer's tool loop; under FSDP2 the ranks finish the generation after it, as each may take a different
+        number of turns."""
+        with self._sharded_phase():
+            return super()._tool_call_loop(*args, **kwargs)
 
     def _get_train_sampler(self, dataset=None):
         """TRL's sampler; under context parallelism one set of rows per CP group (`SharedRowsSampler`)."""

@@ -71,7 +71,7 @@ class ContextParallelEngine(LongStrawEngine):
                 state.receive_recurrent(owner - 1)
             for chunk_index, (start, end) in enumerate(self._own_chunks(state)):
                 chunk = chunk_index + state.chunk_offset
-                _, load = self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk)
+                _, load, _ = self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk)
                 state.add_router_load(load)
             state.end_of_shard()
             if owner < cp.size - 1:

@@ -1,0 +1,206 @@
+"""Three LongStraw optimizer steps, run alone (`python this.py OUT FAMILY ROUTE`) or with the weights sharded by FSDP2
+over the ranks (`torchrun --nproc_per_node 2 this.py OUT FAMILY ROUTE`), in detach and exact mode; saves what
+`test_fsdp.py` compares. ROUTE: `fully_shard` (the model is sharded here, decoder layers then the causal LM, before the
+trainer gets it), `shard_weights` (the trainer shards it), `lora` (the trainer wraps it with LoRA from a `peft_config`,
+trains against the reference adapter with `beta > 0`, and shards it).
+
+Each optimizer step takes 12 rows (4 prompts x 3 generations) in 2 micro-steps: one process takes 6 rows per
+micro-step, each of 2 ranks 3. The completions come from a `rollout_func` that writes them from the prompt and the
+member's index, so both runs train on the same completions whatever rows a rank holds; the rollout through the sharded
+model is checked separately (`rollout`: greedy decoding, whose completions do not depend on the rank either).
+"""
+
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+from datasets import Dataset
+from peft import LoraConfig
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import TrainerCallback
+
+from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
+from trl_longstraw.embedded import build_model, build_tokenizer
+
+# FSDP2's collectives, counted (it calls them through `torch.distributed` at each use)
+COLLECTIVES = {"all_gather_single": 0, "reduce_scatter_single": 0}
+
+
+def counted(name: str):
+    collective = getattr(dist, name)
+
+    def count(*args, **kwargs):
+        COLLECTIVES[name] += 1
+        return collective(*args, **kwargs)
+
+    return count
+
+
+for _name in COLLECTIVES:
+    setattr(dist, _name, counted(_name))
+
+PROMPTS = [f"the key is {4217 + i}. " + "lorem ipsum " * (i % 3 + 1) + "what is the key?" for i in range(16)]
+COMPLETIONS: list[str] = []
+
+
+def char_code_reward(completions, **kwargs):
+    COMPLETIONS.extend(completions)
+    return [float(sum(map(ord, completion)) % 7) for completion in completions]
+
+
+def written_rollout(prompts, trainer):
+    """Completions of 2-5 letters and EOS, a function of the prompt and the member's index in its group."""
+    tokenizer = trainer.processing_class
+    prompt_ids, completion_ids, seen = [], [], {}
+    for prompt in prompts:
+        member = seen[prompt] = seen.get(prompt, -1) + 1
+        letters = "".join(
+            chr(97 + (len(prompt) * 7 + member * 3 + j) % 26) for j in range(2 + (len(prompt) + member) % 4)
+        )
+        prompt_ids.append(tokenizer(prompt)["input_ids"])
+        completion_ids.append(tokenizer(letters)["input_ids"] + [tokenizer.eos_token_id])
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+
+def local_bytes(tensors) -> int:
+    return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
+
+
+def sharded_modules_that_train(model) -> int:
+    """`fully_shard` modules holding a trainable parameter of their own (not one of a sharded submodule's): each
+    reduce-scatters its gradients in a synced backward."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            children = [child for child in module.modules() if child is not module and isinstance(child, FSDPModule)]
+            nested = {id(p) for child in children for p in child.parameters()}
+            count += any(p.requires_grad and id(p) not in nested for p in module.parameters())
+    return count
+
+
+def trainable_weights(model) -> dict[str, torch.Tensor]:
+    """Every trainable weight, whole (gathered from its shards)."""
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+class GatheredLayers:
+    """The most decoder layers holding gathered (unsharded) weights at once, seen as each layer's forward or backward
+    starts: FSDP2 swaps a module's DTensor parameters for whole tensors while it is gathered."""
+
+    def __init__(self, layers):
+        self.layers, self.most = list(layers), 0
+        for layer in self.layers:
+            layer.register_forward_pre_hook(self.count)
+            layer.register_full_backward_pre_hook(self.count)
+
+    def count(self, *unused):
+        gathered = sum(not isinstance(next(layer.parameters()), DTensor) for layer in self.layers)
+        self.most = max(self.most, gathered)
+
+
+class GradientBytes(TrainerCallback):
+    """This rank's gradient bytes when the optimizer steps (the Trainer frees them right after)."""
+
+    def __init__(self):
+        self.bytes = 0
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.bytes = max(self.bytes, local_bytes(p.grad for p in model.parameters() if p.grad is not None))
+
+
+def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    model = build_model(family, seed=0)
+    if world > 1 and route == "fully_shard":
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    args = LongStrawGRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=6 // world,
+        gradient_accumulation_steps=2,
+        num_generations=3,
+        max_completion_length=6,
+        max_steps=1 if rollout else 3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        use_cpu=True,
+        seed=0,
+        prompt_gradient=prompt_gradient,
+        prefill_chunk_size=8,
+        attention_chunk_size=8,
+        generation_kwargs={"top_k": 1} if rollout else None,
+        shard_weights=world > 1 and route != "fully_shard",
+        beta=0.04 if route == "lora" else 0.0,
+    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if route == "lora" else None
+    trainer = LongStrawGRPOTrainer(
+        model=model,
+        reward_funcs=char_code_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        processing_class=build_tokenizer(),
+        rollout_func=None if rollout else written_rollout,
+        peft_config=lora,
+    )
+    initial = trainable_weights(trainer.model)
+    gathered = GatheredLayers(trainer.model.get_decoder().layers) if world > 1 else None
+    gradient_bytes = GradientBytes()
+    trainer.add_callback(gradient_bytes)
+    COMPLETIONS.clear()
+    counted_before = dict(COLLECTIVES)
+    trainer.train()
+    if rollout:
+        return {"completions": list(COMPLETIONS)}
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    params = list(trainer.model.parameters())
+    state = [value for per_param in trainer.optimizer.state.values() for value in per_param.values() if value.dim()]
+    report = {
+        "loss": [entry["loss"] for entry in logged],
+        "grad_norm": [entry["grad_norm"] for entry in logged],
+        "weights": trainable_weights(trainer.model),
+        "initial": initial,
+        "bytes": {
+            "parameters": local_bytes(params),
+            "gradients": gradient_bytes.bytes,
+            "optimizer": local_bytes(state),
+            "whole_parameters": sum(p.numel() * p.element_size() for p in params),
+        },
+        "synced_passes": trainer._sharded.synced_passes if trainer._sharded is not None else None,
+        "stand_ins": trainer._sharded.stand_ins if trainer._sharded is not None else None,
+        "rounds": trainer._sharded.rounds if trainer._sharded is not None else None,
+        "most_layers_gathered": gathered.most if gathered is not None else None,
+        "layers": len(trainer.model.get_decoder().layers),
+        "optimizer_steps": trainer.state.global_step,
+        "collectives": {name: COLLECTIVES[name] - counted_before[name] for name in COLLECTIVES},
+        "sharded_modules": sharded_modules_that_train(trainer.model),
+    }
+    return report
+
+
+def main(out: str, family: str, route: str) -> None:
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    results = {mode: train(family, route, mode, rollout=False) for mode in ("detach", "exact")}
+    results["rollout"] = train(family, route, "detach", rollout=True)
+    if world > 1:
+        everyone = [None] * world
+        dist.all_gather_object(everyone, results["rollout"]["completions"])
+        results["rollout"]["completions"] = [c for rank_completions in everyone for c in rank_completions]
+    torch.save(results, f"{out}/{family}-{route}-world{world}-rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

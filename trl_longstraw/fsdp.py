@@ -1,0 +1,162 @@
+"""Weights sharded with FSDP2 (`fully_shard`): the LongStraw update on ranks that hold parameter shards.
+
+FSDP2 gathers each sharded module's parameters inside its forward and backward, collectively: every rank of the mesh
+must run the same sequence of forwards and backwards. LongStraw's update is data-dependent on each rank (a prompt's
+capture chunks, the rollout's steps, the members and groups replayed, a state kept from the previous micro-step), so
+the ranks agree pass by pass: before each forward of the sharded causal LM, the ranks exchange the kind of pass each is
+about to run (a forward, or a forward whose backward follows) and run the kind the fewest are waiting on; a rank whose
+next pass is of another kind, or that has finished its phase, runs a two-token pass of that kind instead (no prompt
+state, zero gradient). At the end of each phase every rank answers until all have finished (`finish_phase`).
+
+Gradients: FSDP2 reduce-scatters in a backward whose gradient sync is on. LongStraw keeps it off for every backward of
+the accumulation window (one per replayed member, one per exact-mode prompt chunk) and closes the window with one
+synced pass on every rank (`reduce_gradients`), so gradients are reduce-scattered once per optimizer step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+FORWARD, BACKWARD, FINISHED = 0, 1, 2
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any of `model`'s parameters is a DTensor (sharded by FSDP2, or split by tensor parallelism)."""
+    return any(isinstance(param, DTensor) for param in model.parameters())
+
+
+def check_sharded_layout(causal_lm: nn.Module) -> None:
+    """The layout LongStraw drives under FSDP2: the causal LM itself is the root `fully_shard` module (its hooks gather
+    the embeddings, final norm and head around every forward LongStraw runs), and every trainable parameter is sharded
+    (FSDP2 then reduces every gradient; a replicated adapter would be averaged by nobody)."""
+    fix = (
+        "Shard the decoder layers, then the causal LM itself: `for layer in model.model.layers: fully_shard(layer)`, "
+        "then `fully_shard(model)`; with PEFT, call `get_peft_model` first and shard `peft_model.get_base_model()` "
+        "the same way."
+    )
+    if not isinstance(causal_lm, FSDPModule):
+        raise TypeError(
+            f"The model has DTensor parameters but its causal LM ({type(causal_lm).__name__}) is not a `fully_shard` "
+            f"root. {fix}"
+        )
+    trainable = causal_lm.named_parameters()
+    replicated = [name for name, param in trainable if param.requires_grad and not isinstance(param, DTensor)]
+    if replicated:
+        raise ValueError(
+            f"Trainable parameters {replicated[:3]} (and {max(len(replicated) - 3, 0)} more) are not sharded: they were "
+            f"added after `fully_shard`. {fix}"
+        )
+
+
+def fully_shard_model(causal_lm: nn.Module) -> None:
+    """FSDP2 as Accelerate's `fsdp_version: 2` wraps a transformers model: every module whose class the model lists in
+    `_no_split_modules` (its decoder layers; innermost first), then the causal LM as the root, over every rank."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "shard_weights=True needs the ranks' process group: launch with `accelerate launch --multi_gpu "
+            "--num_processes N` or `torchrun --nproc_per_node N`."
+        )
+    if getattr(causal_lm, "is_loaded_in_4bit", False) or getattr(causal_lm, "is_loaded_in_8bit", False):
+        raise ValueError(
+            "shard_weights=True with a bitsandbytes-quantized model: FSDP2 does not shard its packed weights. Load the "
+            "model in bf16 (LoRA on sharded weights), or keep QLoRA without shard_weights."
+        )
+    layer_classes = set(getattr(causal_lm, "_no_split_modules", None) or ())
+    layers = [module for module in causal_lm.modules() if type(module).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(
+            f"shard_weights=True: {type(causal_lm).__name__} lists no decoder-layer classes (`_no_split_modules`) to "
+            "shard one by one. Shard the model with `fully_shard` yourself before handing it to the trainer."
+        )
+    for layer in reversed(layers):  # an inner listed module before the layer holding it
+        fully_shard(layer)
+    fully_shard(causal_lm)
+
+
+def sharded_mesh_group(causal_lm: nn.Module) -> dist.ProcessGroup:
+    """The process group of the ranks that share the parameters' shards: the whole world (a mesh over a subset of
+    the ranks, e.g. FSDP2 inside each context-parallel group, is refused)."""
+    meshes = {param.device_mesh for param in causal_lm.parameters() if isinstance(param, DTensor)}
+    for mesh in meshes:
+        if mesh.size() != dist.get_world_size():
+            raise ValueError(
+                f"The parameters are sharded over {mesh.size()} of the {dist.get_world_size()} ranks. "
+                "LongStrawGRPOTrainer shards over every rank: build the mesh with all of them "
+                "(`init_device_mesh(device_type, (world_size,))`, fully_shard's default)."
+            )
+    return dist.group.WORLD
+
+
+class ShardedPasses:
+    """Keeps the ranks holding one FSDP2 model's shards in step, pass by pass (module docstring).
+
+    Args:
+        root: the causal LM, the root `fully_shard` module.
+        device: where the ranks' agreement tensor lives (the model's device: gloo on CPU, NCCL on GPU).
+        group: the ranks that share the shards.
+    """
+
+    def __init__(self, root: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None):
+        self.root = root
+        self.device = device
+        self.group = group
+        self.rounds = 0  # agreements made (one per pass of any rank); read by tests and benchmarks
+        self.stand_ins = 0  # passes run only to keep step with another rank
+        self.synced_passes = 0  # gradient reductions (`reduce_gradients`)
+        self._standing_in = False
+        self._tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
+        root.set_requires_gradient_sync(False)
+        # prepended: the agreement precedes FSDP2's own pre-forward (its parameter all-gather)
+        self._hook = root.register_forward_pre_hook(self._before_forward, prepend=True)
+
+    def _before_forward(self, module: nn.Module, args) -> None:
+        if not self._standing_in:
+            self._agree(BACKWARD if torch.is_grad_enabled() else FORWARD)
+
+    def _agree(self, kind: int) -> None:
+        """Return when every rank's next pass is `kind` (or, for FINISHED, when every rank has finished), standing in
+        for the kind the other ranks run until then."""
+        while True:
+            chosen = torch.tensor([kind], device=self.device)
+            dist.all_reduce(chosen, op=dist.ReduceOp.MIN, group=self.group)
+            self.rounds += 1
+            chosen = int(chosen.item())
+            if chosen == kind:
+                return
+            self.stand_ins += 1
+            self._zero_pass(chosen)
+
+    def _zero_pass(self, kind: int) -> None:
+        """A two-token pass of `kind` through the whole model, without prompt state: the same gathers (and, for
+        BACKWARD, the same backward) as any pass, adding zero to every gradient."""
+        self._standing_in = True
+        try:
+            with torch.set_grad_enabled(kind == BACKWARD):
+                logits = self.root(input_ids=self._tokens, use_cache=False, logits_to_keep=1).logits
+                if kind == BACKWARD and logits.requires_grad:  # (nothing trainable: no pass has a backward)
+                    (logits.sum() * 0).backward()
+        finally:
+            self._standing_in = False
+
+    def finish_phase(self) -> None:
+        """Answer the other ranks' passes until every rank has finished this phase. Every rank calls it at the same
+        point of the update, before any other collective."""
+        self._agree(FINISHED)
+
+    def reduce_gradients(self) -> None:
+        """Close the accumulation window: one pass with gradient sync on, on every rank at once, after which FSDP2
+        has reduce-scattered every module's accumulated gradient into its sharded `.grad`."""
+        self.finish_phase()
+        self.root.set_requires_gradient_sync(True)
+        try:
+            self._zero_pass(BACKWARD)
+        finally:
+            self.root.set_requires_gradient_sync(False)
+        self.synced_passes += 1
+
+    def remove(self) -> None:
+        self._hook.remove()
