@@ -296,3 +296,37 @@ def test_fsdp2_on_one_gpu_gives_the_unsharded_log_probs_and_gradients(tmp_path):
         check_one_rank_engine_against_the_unsharded_model("cuda")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "qwen3_moe", "glm_moe_dsa"])
+def test_the_memory_plan_against_cuda_allocations(family):
+    """`trl-longstraw plan`'s terms against the CUDA allocator (fp32, full fine-tuning): the weights and the prompt
+    state as allocated (up to the allocator's 512-byte rounding per tensor), and the replay's working set within 5x of
+    the allocation one replay's forward adds (the CPU test bounds it by what autograd saves: test_plan.py)."""
+    from trl_longstraw.accounting import UpdateSetup
+    from trl_longstraw.plan import plan_run
+
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    model = cuda_model(family)
+    tensors = [*model.parameters(), *model.buffers()]
+    setup = UpdateSetup(
+        prompt_tokens=61, completion_tokens=70, group_size=1, lora_rank=None, activation_checkpointing=False,
+        prefill_chunk_size=32, attention_chunk_size=16, dtype_bytes=4, prompts_per_generation=0,
+    )  # fmt: skip
+    plan = plan_run(model.config, setup)
+    weights = torch.cuda.memory_allocated() - before
+    assert plan.account.weights.bytes <= weights <= plan.account.weights.bytes + 512 * len(tensors)
+    prompt, _, _ = case(prompt_length=setup.prompt_tokens)
+    engine = LongStrawEngine(setup.prefill_chunk_size, setup.attention_chunk_size)
+    before = torch.cuda.memory_allocated()
+    state = engine.capture(model, prompt.cuda(), first_position=0)
+    kept = torch.cuda.memory_allocated() - before
+    assert plan.state_bytes <= kept <= plan.state_bytes + 512 * len(state.tensors())
+    completion = torch.randint(2, 100, (setup.completion_tokens,), generator=torch.Generator().manual_seed(1))
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    logps, _ = engine.replay(model, state, prompt[-1:].cuda(), completion.cuda(), setup.completion_tokens)
+    added = torch.cuda.max_memory_allocated() - before
+    assert added / 5 <= plan.account.replay.bytes <= 5 * added, (plan.account.replay.bytes, added)
+    del logps

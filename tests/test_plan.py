@@ -101,6 +101,14 @@ def test_shard_weights_is_suggested_for_a_full_fine_tune_that_does_not_fit_one_d
     assert "weights sharded over 8 ranks (FSDP2)" in capsys.readouterr().out
 
 
+def test_a_recipe_that_shards_its_weights_is_planned_over_its_ranks(capsys):
+    args = ["plan", "--config", "configs/qwen3_8b_full_fsdp2.yaml", "--prompt-length", "131072", "--gpu-memory", "80"]
+    assert cli.main(args) == 2
+    assert "shard_weights: true" in capsys.readouterr().err
+    assert cli.main([*args, "--gpus", "8"]) == 0
+    assert "weights sharded over 8 ranks (FSDP2)" in capsys.readouterr().out
+
+
 def test_a_config_is_read_from_a_folder_a_json_file_or_an_architecture_name(tmp_path):
     tiny_config("qwen3").save_pretrained(tmp_path)
     assert load_model_config(str(tmp_path)).model_type == "qwen3"

@@ -107,9 +107,17 @@ def check_plan_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
 def run_plan(args: argparse.Namespace) -> int:
     from .plan import ModelSourceError, format_plan, load_model_config, plan_run, recipe_plan_inputs
 
+    weight_shards = args.weight_shards
     try:
         if args.config is not None:
             config, name, setup, context_parallel = recipe_plan_inputs(args.config, args.prompt_length)
+            if weight_shards == 1 and recipe_shards_weights(args.config):
+                if args.gpus is None:
+                    raise ValueError(
+                        f"{args.config} shards the weights over every rank (shard_weights: true): give the number of "
+                        "ranks with --weight-shards N or --gpus N."
+                    )
+                weight_shards = args.gpus
         else:
             config, name = load_model_config(args.model, args.trust_remote_code), args.model
             setup, context_parallel = setup_from_flags(args), args.context_parallel_size
@@ -127,10 +135,18 @@ def run_plan(args: argparse.Namespace) -> int:
             args.per_device_train_batch_size,
             model=name,
             devices=args.gpus,
-            weight_shards=args.weight_shards,
+            weight_shards=weight_shards,
         )
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     return 1 if plan.fits is False else 0
+
+
+def recipe_shards_weights(path: str) -> bool:
+    """Whether a recipe YAML sets `shard_weights` (FSDP2 over every rank of its launch)."""
+    import yaml
+
+    with open(path) as file:
+        return bool((yaml.safe_load(file) or {}).get("shard_weights", False))
 
 
 def setup_from_flags(args: argparse.Namespace) -> UpdateSetup:

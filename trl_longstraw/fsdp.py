@@ -8,6 +8,11 @@ about to run (a forward, or a forward whose backward follows) and run the kind t
 next pass is of another kind, or that has finished its phase, runs a two-token pass of that kind instead (no prompt
 state, zero gradient). At the end of each phase every rank answers until all have finished (`finish_phase`).
 
+Freeing: FSDP2 frees a module's gathered weights after its forward, except for a forward run inside a backward (it
+takes that for activation checkpointing's recompute, whose backward follows at once). LongStraw's replays run inside
+the loss's backward (the `ReplayedScores` node), so every sharded module under the root also frees its weights after
+each forward of a pass of the root; activation checkpointing's recomputes, which run a layer alone, keep FSDP2's rule.
+
 Gradients: FSDP2 reduce-scatters in a backward whose gradient sync is on. LongStraw keeps it off for every backward of
 the accumulation window (one per replayed member, one per exact-mode prompt chunk) and closes the window with one
 synced pass on every rank (`reduce_gradients`), so gradients are reduce-scattered once per optimizer step.
@@ -108,14 +113,31 @@ class ShardedPasses:
         self.stand_ins = 0  # passes run only to keep step with another rank
         self.synced_passes = 0  # gradient reductions (`reduce_gradients`)
         self._standing_in = False
+        self._in_pass = False  # the root's forward is running
         self._tokens = torch.zeros(1, 2, dtype=torch.long, device=device)
         root.set_requires_gradient_sync(False)
         # prepended: the agreement precedes FSDP2's own pre-forward (its parameter all-gather)
-        self._hook = root.register_forward_pre_hook(self._before_forward, prepend=True)
+        self._hooks = [
+            root.register_forward_pre_hook(self._before_forward, prepend=True),
+            root.register_forward_hook(self._after_forward, always_call=True),
+        ]
+        for module in root.modules():
+            if module is not root and isinstance(module, FSDPModule):
+                self._hooks.append(module.register_forward_hook(self._free_after_forward))
 
     def _before_forward(self, module: nn.Module, args) -> None:
         if not self._standing_in:
             self._agree(BACKWARD if torch.is_grad_enabled() else FORWARD)
+        self._in_pass = True
+
+    def _after_forward(self, module: nn.Module, args, output) -> None:
+        self._in_pass = False
+
+    def _free_after_forward(self, module: nn.Module, args, output) -> None:
+        """A sharded module's weights freed after its forward in a pass (module docstring): a no-op where FSDP2 has
+        freed them already; a backward gathers them again when it reaches the module's outputs."""
+        if self._in_pass:
+            module.reshard()
 
     def _agree(self, kind: int) -> None:
         """Return when every rank's next pass is `kind` (or, for FINISHED, when every rank has finished), standing in
@@ -159,4 +181,5 @@ class ShardedPasses:
         self.synced_passes += 1
 
     def remove(self) -> None:
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()

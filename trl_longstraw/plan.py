@@ -333,7 +333,8 @@ def recipe_plan_inputs(path: str | Path, prompt_tokens: int) -> tuple[Pretrained
     model_args = ModelConfig(**{key: value for key, value in recipe.items() if key in model_fields})
     settings = {key: value for key, value in recipe.items() if key in grpo_fields}
     settings.update(output_dir=settings.get("output_dir", "outputs"), report_to="none", use_cpu=True, bf16=False)
-    args = LongStrawGRPOConfig(**settings, memory_plan_prompt_length=prompt_tokens)
+    settings.update(memory_plan_prompt_length=prompt_tokens, shard_weights=False)  # shards: the caller's (cli.py)
+    args = LongStrawGRPOConfig(**settings)
     args.model_init_kwargs = {"dtype": model_args.dtype or "auto", **(args.model_init_kwargs or {})}
     name = model_args.model_name_or_path
     config = load_model_config(name, args.trust_remote_code)

@@ -13,9 +13,7 @@ it returns them as the outputs of a [`~trl_longstraw.loss.ReplayedScores`] node,
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -355,7 +353,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._kept: _KeptState | None = None
         self._first_turn: dict[tuple[int, ...], PromptRows] | None = None  # a generation's prompts, for its tool turns
         self._reached: list[torch.nn.Parameter] | None = None
-        self._deferred_replays: list[functools.partial] = []  # under FSDP2 (`_run_deferred_replays`)
         self.rollout_from_prompt_state = self._resolve_rollout(args)
         self._warned_own_generate = False
         if self._context_parallel is not None and self.eval_dataset is not None:  # refused now, not when evaluating
@@ -624,14 +621,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
             def replay(grad_logps, grad_entropies, grad_aux_loss):
                 router_weights = None if grad_aux_loss is None else load.weights(routing, grad_aux_loss)
-                replays = functools.partial(
-                    self.replay_backward, causal_lm, order[::-1], completion_ids, grad_logps, grad_entropies,
-                    router_weights,
-                )  # fmt: skip
-                if self._sharded is None:
-                    replays()
-                else:  # FSDP2 frees a layer's gathered weights after its forward only outside a backward (fsdp.py)
-                    self._deferred_replays.append(replays)
+                self.replay_backward(
+                    causal_lm, order[::-1], completion_ids, grad_logps, grad_entropies, router_weights
+                )
 
             logps, entropies, aux_loss = replayed_scores(replay, logps, entropies, aux_loss)
         return logps, entropies if compute_entropy else None, aux_loss
@@ -777,29 +769,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         loss = self.compute_loss(model, inputs)
         ensure_finite(loss.detach(), "the GRPO loss computed from the scored log-probs")
         loss.backward()
-        self._run_deferred_replays()
         return loss.detach()
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        """GRPOTrainer's step; under FSDP2, then the replays its backward deferred (`_run_deferred_replays`)."""
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        start = time.perf_counter()
-        if self._run_deferred_replays():  # their time in TRL's step_time, as the replays inside a backward are
-            elapsed = time.perf_counter() - start
-            if self._step % self.current_gradient_accumulation_steps == 0:  # the window closed: its time is logged
-                self._metrics["train"]["step_time"][-1] += elapsed
-            else:
-                self._current_train_step_time += elapsed
-        return loss
-
-    def _run_deferred_replays(self) -> bool:
-        """Run the replays a loss's backward handed over (under FSDP2, which reshards each layer after its forward
-        only outside a backward: inside it, every layer a replay runs would stay gathered). Whether any ran."""
-        deferred, self._deferred_replays = self._deferred_replays, []
-        with torch.enable_grad():
-            for replays in deferred:
-                replays()
-        return bool(deferred)
 
     # ---------------------------------------------------------------------------------------------------------------
     # Cheap checks before generation, telemetry per mode
