@@ -2,7 +2,9 @@
 over the ranks (`torchrun --nproc_per_node 2 this.py OUT FAMILY ROUTE`), in detach and exact mode; saves what
 `test_fsdp.py` compares. ROUTE: `fully_shard` (the model is sharded here, decoder layers then the causal LM, before the
 trainer gets it), `shard_weights` (the trainer shards it), `lora` (the trainer wraps it with LoRA from a `peft_config`,
-trains against the reference adapter with `beta > 0`, and shards it).
+trains against the reference adapter with `beta > 0`, and shards it), `tools` (one greedy step of the embedded
+tool-calling model with `tools=[add]`, sharded by the trainer: the ranks' rows may take different numbers of tool
+turns).
 
 Each optimizer step takes 12 rows (4 prompts x 3 generations) in 2 micro-steps: one process takes 6 rows per
 micro-step, each of 2 ranks 3. The completions come from a `rollout_func` that writes them from the prompt and the
@@ -23,7 +25,13 @@ from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
-from trl_longstraw.embedded import build_model, build_tokenizer
+from trl_longstraw.embedded import (
+    add,
+    build_model,
+    build_tokenizer,
+    build_tool_calling_model,
+    build_tool_calling_tokenizer,
+)
 
 # FSDP2's collectives, counted (it calls them through `torch.distributed` at each use)
 COLLECTIVES = {"all_gather_single": 0, "reduce_scatter_single": 0}
@@ -47,8 +55,8 @@ COMPLETIONS: list[str] = []
 
 
 def char_code_reward(completions, **kwargs):
-    COMPLETIONS.extend(completions)
-    return [float(sum(map(ord, completion)) % 7) for completion in completions]
+    COMPLETIONS.extend(map(str, completions))
+    return [float(sum(map(ord, str(completion))) % 7) for completion in completions]
 
 
 def written_rollout(prompts, trainer):
@@ -188,13 +196,53 @@ def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
     return report
 
 
+def tool_rollout() -> dict:
+    """One greedy step of the tool-calling model (~750 prompt tokens: the tool schema), the trainer sharding it."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tokenizer = build_tool_calling_tokenizer()
+    args = LongStrawGRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=6 // world,
+        num_generations=3,
+        max_completion_length=48,
+        max_steps=1,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        bf16=False,
+        use_cpu=True,
+        seed=0,
+        prefill_chunk_size=128,
+        attention_chunk_size=128,
+        generation_kwargs={"top_k": 1},
+        shard_weights=world > 1,
+    )
+    prompts = [[{"role": "user", "content": prompt}] for prompt in PROMPTS]
+    trainer = LongStrawGRPOTrainer(
+        model=build_tool_calling_model(tokenizer),
+        reward_funcs=char_code_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+        tools=[add],
+    )
+    COMPLETIONS.clear()
+    trainer.train()
+    logged = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    return {"completions": list(COMPLETIONS), "tool_calls": logged["tools/call_frequency"]}
+
+
 def main(out: str, family: str, route: str) -> None:
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    results = {mode: train(family, route, mode, rollout=False) for mode in ("detach", "exact")}
-    results["rollout"] = train(family, route, "detach", rollout=True)
+    if route == "tools":
+        results = {"rollout": tool_rollout()}
+    else:
+        results = {mode: train(family, route, mode, rollout=False) for mode in ("detach", "exact")}
+        results["rollout"] = train(family, route, "detach", rollout=True)
     if world > 1:
         everyone = [None] * world
         dist.all_gather_object(everyone, results["rollout"]["completions"])

@@ -83,6 +83,18 @@ def test_two_fsdp2_ranks_take_the_single_process_steps(tmp_path, family, route, 
     assert sorted(sharded["rollout"]["completions"]) == sorted(single["rollout"]["completions"])
 
 
+@pytest.mark.slow
+def test_tool_calling_under_fsdp2_decodes_the_single_process_turns(tmp_path):
+    """Greedy rollouts of the tool-calling model through TRL's tool loop: the ranks' rows may take different numbers
+    of turns, and the generation ends for every rank after the loop (the trainer's `_tool_call_loop`)."""
+    launch(tmp_path, "tool_calling", "tools", "torchrun")
+    single = torch.load(tmp_path / "tool_calling-tools-world1-rank0.pt")["rollout"]
+    sharded = torch.load(tmp_path / "tool_calling-tools-world2-rank0.pt")["rollout"]
+    assert single["tool_calls"] > 0
+    assert sharded["tool_calls"] == pytest.approx(single["tool_calls"])
+    assert sorted(sharded["completions"]) == sorted(single["completions"])
+
+
 @pytest.fixture
 def one_rank_group(tmp_path):
     """A 1-rank gloo group: `fully_shard` in this process (the same code path as any number of ranks)."""
