@@ -123,20 +123,12 @@ class GradientBytes(TrainerCallback):
         self.bytes = max(self.bytes, local_bytes(p.grad for p in model.parameters() if p.grad is not None))
 
 
-def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    model = build_model(family, seed=0)
-    if world > 1 and route == "fully_shard":
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    args = LongStrawGRPOConfig(
+def worker_args(world: int, **settings) -> LongStrawGRPOConfig:
+    """Both runs' settings: 6 rows per micro-step in all (3 per rank on 2 ranks), fp32 on CPU, no checkpoints."""
+    return LongStrawGRPOConfig(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=6 // world,
-        gradient_accumulation_steps=2,
         num_generations=3,
-        max_completion_length=6,
-        max_steps=1 if rollout else 3,
         learning_rate=1e-3,
         logging_steps=1,
         report_to="none",
@@ -144,6 +136,22 @@ def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
         bf16=False,
         use_cpu=True,
         seed=0,
+        **settings,
+    )
+
+
+def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    model = build_model(family, seed=0)
+    if world > 1 and route == "fully_shard":
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    args = worker_args(
+        world,
+        gradient_accumulation_steps=2,
+        max_completion_length=6,
+        max_steps=1 if rollout else 3,
         prompt_gradient=prompt_gradient,
         prefill_chunk_size=8,
         attention_chunk_size=8,
@@ -200,19 +208,10 @@ def tool_rollout() -> dict:
     """One greedy step of the tool-calling model (~750 prompt tokens: the tool schema), the trainer sharding it."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     tokenizer = build_tool_calling_tokenizer()
-    args = LongStrawGRPOConfig(
-        output_dir=tempfile.mkdtemp(),
-        per_device_train_batch_size=6 // world,
-        num_generations=3,
+    args = worker_args(
+        world,
         max_completion_length=48,
         max_steps=1,
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        bf16=False,
-        use_cpu=True,
-        seed=0,
         prefill_chunk_size=128,
         attention_chunk_size=128,
         generation_kwargs={"top_k": 1},
