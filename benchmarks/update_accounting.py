@@ -155,7 +155,7 @@ def breakdown(name: str, label: str, account: UpdateAccount) -> str:
 def recipe_entry(path: Path, prompt_tokens: int) -> tuple[str, str, object, UpdateSetup, int]:
     """(model column, label, config, setup, context_parallel_size) of a recipe YAML at `prompt_tokens` positions, read
     as `trl-longstraw plan --config` reads it (`trl_longstraw.plan.recipe_plan_inputs`)."""
-    config, name, setup, context_parallel = recipe_plan_inputs(path, prompt_tokens)
+    config, name, setup, context_parallel, _ = recipe_plan_inputs(path, prompt_tokens)
     if setup.lora_rank is None:
         raise SystemExit(f"{path}: the table's rows are LoRA runs (use_peft: true)")
     weights = "NF4 QLoRA" if setup.quantization == "nf4" else "bf16 LoRA"

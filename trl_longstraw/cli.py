@@ -110,8 +110,8 @@ def run_plan(args: argparse.Namespace) -> int:
     weight_shards = args.weight_shards
     try:
         if args.config is not None:
-            config, name, setup, context_parallel = recipe_plan_inputs(args.config, args.prompt_length)
-            if weight_shards == 1 and recipe_shards_weights(args.config):
+            config, name, setup, context_parallel, shards_weights = recipe_plan_inputs(args.config, args.prompt_length)
+            if weight_shards == 1 and shards_weights:
                 if args.gpus is None:
                     raise ValueError(
                         f"{args.config} shards the weights over every rank (shard_weights: true): give the number of "
@@ -139,14 +139,6 @@ def run_plan(args: argparse.Namespace) -> int:
         )
     print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
     return 1 if plan.fits is False else 0
-
-
-def recipe_shards_weights(path: str) -> bool:
-    """Whether a recipe YAML sets `shard_weights` (FSDP2 over every rank of its launch)."""
-    import yaml
-
-    with open(path) as file:
-        return bool((yaml.safe_load(file) or {}).get("shard_weights", False))
 
 
 def setup_from_flags(args: argparse.Namespace) -> UpdateSetup:

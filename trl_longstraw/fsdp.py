@@ -34,6 +34,11 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(param, DTensor) for param in model.parameters())
 
 
+def shard_count(model: nn.Module) -> int:
+    """The ranks `model`'s DTensor parameters are sharded over (the first one's mesh), 1 if it has none."""
+    return next((param.device_mesh.size() for param in model.parameters() if isinstance(param, DTensor)), 1)
+
+
 def check_sharded_layout(causal_lm: nn.Module) -> None:
     """The layout LongStraw drives under FSDP2: the causal LM itself is the root `fully_shard` module (its hooks gather
     the embeddings, final norm and head around every forward LongStraw runs), and every trainable parameter is sharded
@@ -85,14 +90,13 @@ def fully_shard_model(causal_lm: nn.Module) -> None:
 def sharded_mesh_group(causal_lm: nn.Module) -> dist.ProcessGroup:
     """The process group of the ranks that share the parameters' shards: the whole world (a mesh over a subset of
     the ranks, e.g. FSDP2 inside each context-parallel group, is refused)."""
-    meshes = {param.device_mesh for param in causal_lm.parameters() if isinstance(param, DTensor)}
-    for mesh in meshes:
-        if mesh.size() != dist.get_world_size():
-            raise ValueError(
-                f"The parameters are sharded over {mesh.size()} of the {dist.get_world_size()} ranks. "
-                "LongStrawGRPOTrainer shards over every rank: build the mesh with all of them "
-                "(`init_device_mesh(device_type, (world_size,))`, fully_shard's default)."
-            )
+    shards = shard_count(causal_lm)
+    if shards != dist.get_world_size():
+        raise ValueError(
+            f"The parameters are sharded over {shards} of the {dist.get_world_size()} ranks. "
+            "LongStrawGRPOTrainer shards over every rank: build the mesh with all of them "
+            "(`init_device_mesh(device_type, (world_size,))`, fully_shard's default)."
+        )
     return dist.group.WORLD
 
 

@@ -6,9 +6,10 @@ counted apart), the working sets of the capture, the replay and the rollout, and
 peaks: the update's and the rollout's) against the device's memory; stock `GRPOTrainer`'s lower bound for the same
 run; and, when the run does not fit, the single settings that would (`Plan.suggestions`: fp8 state pages, host
 placement, smaller chunks, the smallest context-parallel size, weights sharded over the devices). With the weights
-sharded by FSDP2 (`weight_shards`), each device holds its share of the weights and trainable values plus what FSDP2
-gathers at once: the root module (embeddings, final norm, head) and one decoder layer. Detach mode: exact mode's
-prompt backward is not modelled. `trl-longstraw plan` (`cli.py`) prints it; the byte counts are `accounting`'s (weights, adapters and state
+sharded by FSDP2 (`weight_shards`), each device holds its share of the weights, the trainable values and their AdamW
+state, the whole gradient (held unsharded through the accumulation window), and what FSDP2 gathers at once: the root
+module (embeddings, final norm, head) and one decoder layer. Detach mode: exact mode's prompt backward is not
+modelled. `trl-longstraw plan` (`cli.py`) prints it; the byte counts are `accounting`'s (weights, adapters and state
 checked against real allocations, working sets estimated).
 """
 
@@ -28,6 +29,7 @@ from transformers.utils import logging
 
 from .accounting import UpdateAccount, UpdateSetup, prompt_state_bytes, stock_activation_bytes, update_account
 from .context_parallel import shard_bounds
+from .fsdp import is_sharded, shard_count
 
 logger = logging.get_logger(__name__)
 
@@ -112,9 +114,14 @@ class Plan:
         return self.state_bytes - self.state_on_device
 
     @property
+    def weight_share(self) -> int:
+        """This device's share of the weights (all of them unsharded)."""
+        return -(-self.account.weights.bytes // self.weight_shards)
+
+    @property
     def weight_bytes(self) -> int:
         """This device's share of the weights, with what FSDP2 gathers at once."""
-        return -(-self.account.weights.bytes // self.weight_shards) + self.gathered_bytes
+        return self.weight_share + self.gathered_bytes
 
     @property
     def gradient_bytes(self) -> int:
@@ -142,7 +149,7 @@ class Plan:
         else:
             share = f" (1/{self.weight_shards})"
             weights = {
-                f"weights{share}": -(-account.weights.bytes // self.weight_shards),
+                f"weights{share}": self.weight_share,
                 "weights gathered at once (root module + one layer)": self.gathered_bytes,
                 f"trainable values and AdamW state{share}": self.trainable_share - self.gradient_bytes,
                 "gradients (whole until the window's reduce-scatter)": self.gradient_bytes,
@@ -315,10 +322,11 @@ def _suggestions(config, plan: Plan, stock_rows: int, devices: int | None) -> li
 _CONFIG_FIELDS = {"state_dtype": "prompt_state_dtype", "state_device": "prompt_state_device"}
 
 
-def recipe_plan_inputs(path: str | Path, prompt_tokens: int) -> tuple[PretrainedConfig, str, UpdateSetup, int]:
-    """(config, model name, setup, context-parallel size) of a recipe YAML (`recipes/grpo_longstraw.py --config`: the
-    fields of `LongStrawGRPOConfig` and TRL's `ModelConfig`, defaults as those dataclasses have them) at
-    `prompt_tokens` prompt tokens."""
+def recipe_plan_inputs(path: str | Path, prompt_tokens: int) -> tuple[PretrainedConfig, str, UpdateSetup, int, bool]:
+    """(config, model name, setup, context-parallel size, whether it shards the weights over every rank) of a recipe
+    YAML (`recipes/grpo_longstraw.py --config`: the fields of `LongStrawGRPOConfig` and TRL's `ModelConfig`, defaults
+    as those dataclasses have them) at `prompt_tokens` prompt tokens. The number of ranks is the launch's, not the
+    recipe's: the caller gives it."""
     import yaml
     from trl import ModelConfig, get_peft_config, get_quantization_config
 
@@ -333,13 +341,14 @@ def recipe_plan_inputs(path: str | Path, prompt_tokens: int) -> tuple[Pretrained
     model_args = ModelConfig(**{key: value for key, value in recipe.items() if key in model_fields})
     settings = {key: value for key, value in recipe.items() if key in grpo_fields}
     settings.update(output_dir=settings.get("output_dir", "outputs"), report_to="none", use_cpu=True, bf16=False)
-    settings.update(memory_plan_prompt_length=prompt_tokens, shard_weights=False)  # shards: the caller's (cli.py)
-    args = LongStrawGRPOConfig(**settings)
+    shards_weights = bool(settings.pop("shard_weights", False))
+    settings.pop("memory_plan_prompt_length", None)  # the prompt length planned is the caller's
+    args = LongStrawGRPOConfig(**settings, memory_plan_prompt_length=prompt_tokens)
     args.model_init_kwargs = {"dtype": model_args.dtype or "auto", **(args.model_init_kwargs or {})}
     name = model_args.model_name_or_path
     config = load_model_config(name, args.trust_remote_code)
     setup = trainer_setup(config, name, args, get_peft_config(model_args), get_quantization_config(model_args))
-    return config, name, setup, args.context_parallel_size
+    return config, name, setup, args.context_parallel_size, shards_weights
 
 
 # The recipe script's own arguments (recipes/grpo_longstraw.py's LongStrawScriptArguments and TRL's ScriptArguments).
@@ -441,12 +450,8 @@ def plan_at_construction(
 def weight_shards_at_construction(model, args) -> int:
     """The ranks the trainer shards the weights over: every rank with `shard_weights`, or as many as a model already
     sharded with `fully_shard` spans; 1 otherwise."""
-    if not isinstance(model, str):
-        from torch.distributed.tensor import DTensor
-
-        meshes = [p.device_mesh for p in model.parameters() if isinstance(p, DTensor)]
-        if meshes:
-            return meshes[0].size()
+    if not isinstance(model, str) and is_sharded(model):
+        return shard_count(model)
     if args.shard_weights:
         return int(os.environ.get("WORLD_SIZE", "1"))
     return 1

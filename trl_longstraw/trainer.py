@@ -305,9 +305,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 check_device_map(self._causal_lm(policy_or_ref))
         if self._is_vlm:
             raise ValueError("LongStrawGRPOTrainer supports text-only causal LMs; this model is vision-language.")
-        if args.shard_weights and not is_sharded(self._causal_lm(self.model)):
-            fully_shard_model(self._causal_lm(self.model))  # after PEFT wrapping (TRL's), before the optimizer
-        sharded = is_sharded(self._causal_lm(self.model))
+        policy = self._causal_lm(self.model)
+        if args.shard_weights and not is_sharded(policy):
+            fully_shard_model(policy)  # after PEFT wrapping (TRL's), before the optimizer
+        sharded = is_sharded(policy)
         if sharded:  # FSDP2 (fsdp.py)
             self._check_sharded(args)
             # Trainer's flag for a model that owns its placement and gradient reduction: Accelerate neither wraps it
@@ -324,13 +325,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         check_capture_matches_own_forward(self._causal_lm(self.model))
         self._positions_follow_mask = positions_follow_mask(self._causal_lm(self.model))
         # Every rank ran the same pre-flight passes; from here on the ranks holding shards agree pass by pass.
-        self._sharded = (
-            ShardedPasses(
-                self._causal_lm(self.model), self.accelerator.device, sharded_mesh_group(self._causal_lm(self.model))
-            )
-            if sharded
-            else None
-        )
+        self._sharded = ShardedPasses(policy, self.accelerator.device, sharded_mesh_group(policy)) if sharded else None
         state_device = None if args.prompt_state_device == "auto" else torch.device(args.prompt_state_device)
         # Context parallelism (the context_parallel package): None, or this rank's CP group.
         self._context_parallel = (
