@@ -58,7 +58,7 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
     torch.set_num_threads(1)
     from trl.trainer.utils import add_fused_lm_head
 
-    from trl_longstraw.context_parallel import COMMUNICATION, SERVED, ContextParallelEngine, ContextParallelGroup
+    from trl_longstraw.context_parallel import COMMUNICATION, ContextParallelEngine, ContextParallelGroup
     from trl_longstraw.engine import prepare_model
 
     cp = None
@@ -80,11 +80,9 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
     )
     baseline = rss_gib()
     times = {}
-    SERVED.clear()
     start = time.perf_counter()
     state = engine.capture(model, prompt, first_position=0)
     times["capture"] = time.perf_counter() - start
-    served = dict(SERVED)
     if args.mode == "exact":
         state.requires_grad_()
     start = time.perf_counter()
@@ -107,7 +105,7 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
     record = {
         "cp": size,
         "rank": rank,
-        "shard": list(state.shard) if size > 1 else [0, state.num_tokens],
+        "held_tokens": state.geometry.num_tokens,
         "state_gib": state.nbytes() / 2**30,
         "peak_rss_gib": peak_rss_gib(),
         "peak_added_gib": peak_rss_gib() - baseline,
@@ -134,7 +132,7 @@ def table(records: list[dict], args) -> str:
         title,
         "",
         (
-            "| cp | rank | shard | state GiB | peak RSS GiB | peak added GiB | capture s | score s | replay s | prompt "
+            "| cp | rank | tokens held | state GiB | peak RSS GiB | peak added GiB | capture s | score s | replay s | prompt "
             "backward s | step s |"
         ),
         "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -142,7 +140,7 @@ def table(records: list[dict], args) -> str:
     for r in records:
         t = r["times_s"]
         lines.append(
-            f"| {r['cp']} | {r['rank']} | {r['shard'][0]}-{r['shard'][1]} | {r['state_gib']:.4f} | "
+            f"| {r['cp']} | {r['rank']} | {r['held_tokens']} | {r['state_gib']:.4f} | "
             f"{r['peak_rss_gib']:.3f} | {r['peak_added_gib']:.3f} | {t['capture']:.2f} | {t['score']:.2f} | "
             f"{t['replay']:.2f} | {t.get('prompt_backward', 0.0):.2f} | {r['step_s']:.2f} |"
         )
@@ -161,7 +159,7 @@ def table(records: list[dict], args) -> str:
             f"{int(r['capture_served'].get('query_key_pairs', 0)):,} query-key pairs"
             for r in sharded
         )
-        imbalance = f"Capture attention computed for other ranks' chunks (the causal imbalance of contiguous shards): {served}."
+        imbalance = f"Capture attention each rank computed for other ranks' queries: {served}."
         lines += ["", communication, "", imbalance]
     return "\n".join(lines) + "\n"
 

@@ -16,7 +16,6 @@ from trl_longstraw.context_parallel import (
     ContextParallelError,
     ContextParallelGroup,
     check_same_rows,
-    sum_added_gradients,
 )
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine, prepare_model
@@ -39,23 +38,45 @@ def case(seed=0, vocab=100):
 
 
 def update(engine, model, prompt, completions, lengths, weights, first_position=2):
-    """Capture, score every member, replay each under autograd with a per-token upstream gradient."""
+    """Capture, score every member, replay each under autograd with a per-token upstream gradient. Under context
+    parallelism each rank replays its own members (`members`, a stand-in where it has none) and the gradients are
+    summed across the group, as the trainer's reduction does."""
     model.zero_grad(set_to_none=True)
     state = engine.capture(model, prompt, first_position=first_position)
     if engine.prompt_gradient == "exact":
         state.requires_grad_()
     with torch.no_grad():
         scored, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
-    replayed = []
-    for member in range(len(completions)):
+    replayed = {}
+    for member in engine.members(len(completions)):
+        if member is None:
+            engine.stand_in(model, state, prompt[-1:], completions[0])
+            continue
         length = int(lengths[member])
         logps, _ = engine.replay(model, state, prompt[-1:], completions[member], length)
         logps.backward(weights[member, :length])
-        replayed.append(logps.detach())
+        replayed[member] = logps.detach()
     if engine.prompt_gradient == "exact":
         engine.backward_prompt(model, state, prompt)
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    if engine.lockstep:
+        grads = summed_over_group(model, grads, engine.context_parallel)
     return state, scored, replayed, grads
+
+
+def summed_over_group(model, grads, cp):
+    """Each rank's gradients summed over the CP group, for every parameter any rank's backward reached."""
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    reached = torch.tensor([float(name in grads) for name in names])
+    cp.all_reduce(reached, op=dist.ReduceOp.MAX)
+    summed = {}
+    for name, hit in zip(names, reached.tolist(), strict=True):
+        if hit:
+            grad = grads.get(name)
+            summed[name] = cp.all_reduce(
+                grad.clone() if grad is not None else torch.zeros_like(model.get_parameter(name))
+            )
+    return summed
 
 
 def relative_errors(got, want, floor_fraction):
@@ -95,7 +116,7 @@ def check_family(family, mode, cp, device="cpu"):
     return {
         "communication_device": str(cp.device),
         "score_error": (scores - want_scores).abs().max().item(),
-        "replay_error": max((a - b).abs().max().item() for a, b in zip(logps, want_logps, strict=True)),
+        "replay_error": max(((logps[m] - want_logps[m]).abs().max().item() for m in logps), default=0.0),
         "same_parameters": sorted(grads) == sorted(want_grads),
         "grad_errors": relative_errors(
             grads, want_grads, 1e-3 if family in ("qwen3_5", "qwen3_next", "nemotron_h") else 0.0
@@ -107,7 +128,7 @@ def check_family(family, mode, cp, device="cpu"):
         "whole_attention_bytes": attention_bytes(whole),
         "window_bytes": attention_bytes(state, rolling=True),
         "whole_window_bytes": attention_bytes(whole, rolling=True),
-        "shard": state.shard,
+        "held": state.layout.held(cp.rank),
         "communication": dict(COMMUNICATION),
     }
 
@@ -195,8 +216,10 @@ def check_fp8_pages(family, cp):
 
 
 def indexer_communication(cp):
-    """Elements the DSA top-k merge all-reduces over one member's replay, and what the formula says: per replayed
-    token and index-computing layer, `2 * cp * k` (each rank's slot of top-k scores and of key indices)."""
+    """Elements the DSA selection sends over one replayed member per rank, and what the formula says: per replayed
+    token and index-computing layer, to each other rank, the indexer call's inputs (`hidden + q_lora_rank + 2 *
+    rope` for the hidden state, the query residual, cos and sin), the candidates (`2 * k`: scores and key indices)
+    and the selection (`k`)."""
     family = "glm_moe_dsa"
     model = build_model(family, seed=0, **OVERRIDES[family])
     prepare_model(model)
@@ -206,10 +229,14 @@ def indexer_communication(cp):
     state = engine.capture(model, prompt, first_position=0)
     COMMUNICATION.clear()
     with torch.no_grad():
-        engine.replay(model, state, prompt[-1:], completions[0], COMPLETION_WIDTH)
+        engine.replay(model, state, prompt[-1:], completions[cp.rank], COMPLETION_WIDTH)
     tokens = COMPLETION_WIDTH + 1  # the last prompt token, then the completion
-    layers = sum(indexer == "full" for indexer in model.config.indexer_types)
-    return COMMUNICATION["indexer"], layers * tokens * 2 * cp.size * OVERRIDES[family]["index_topk"]
+    config = model.config
+    layers = sum(indexer == "full" for indexer in config.indexer_types)
+    per_token = (
+        config.hidden_size + config.q_lora_rank + 2 * config.qk_rope_head_dim + 3 * OVERRIDES[family]["index_topk"]
+    )
+    return COMMUNICATION["indexer"], layers * tokens * (cp.size - 1) * per_token
 
 
 def refusal(cp, family="qwen3", prompt_length=2, model=None):
@@ -238,19 +265,6 @@ def different_histories(cp):
 ROLLOUT_FAMILIES = ("qwen3", "qwen3_5", "glm_moe_dsa", "gpt_oss")
 
 
-def gradients_reached_on_one_rank(cp):
-    """`sum_added_gradients` after a prompt recompute that reached a parameter on rank 0 only (an expert only its
-    shard's tokens route to): every rank must end with that parameter's gradient, and with the others' sums."""
-    shared, expert, untouched = (torch.nn.Parameter(torch.zeros(3)) for _ in range(3))
-    shared.grad = torch.full((3,), 10.0)  # the replays' part, identical on every rank, kept once
-    before = [shared.grad.clone(), None, None]
-    shared.grad += cp.rank + 1  # each rank's recompute adds to it
-    if cp.rank == 0:
-        expert.grad = torch.full((3,), 5.0)
-    sum_added_gradients([shared, expert, untouched], before, cp)
-    return [None if p.grad is None else p.grad.tolist() for p in (shared, expert, untouched)]
-
-
 def run(rank, world_size, init_file, cases, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -261,7 +275,6 @@ def run(rank, world_size, init_file, cases, out_dir):
         results["indexer_communication"] = indexer_communication(cp)
         results["fp8"] = {family: check_fp8_pages(family, cp) for family in ("qwen3", "deepseek_v3")}
         results["short_prompt"] = refusal(cp)
-        results["reached_on_one_rank"] = gradients_reached_on_one_rank(cp)
         results["different_histories"] = different_histories(cp)
         results["chunked"] = refusal(cp, prompt_length=PROMPT_LENGTH, model=chunked_attention_model())
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -306,7 +319,7 @@ def run_data_and_context_parallel(rank, world_size, init_file, mode, out_dir):
         sharded = ContextParallelEngine(8, 4, prompt_gradient=mode, context_parallel=context)
         update(sharded, model, *cases[rank // 2])  # CP group k = ranks 2k, 2k + 1 takes prompt k
         params = [p for p in model.parameters() if p.grad is not None]
-        average_gradients(params)
+        average_gradients(params, shares=2)
         grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
         flat = torch.cat([g.reshape(-1) for g in grads.values()])
         gathered = [torch.empty_like(flat) for _ in range(world_size)]

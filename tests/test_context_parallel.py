@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from trl_longstraw.context_parallel import capture_attention_pairs, shard_bounds
+from trl_longstraw.context_parallel import ShardLayout, capture_attention_pairs
 
 from .context_parallel_worker import ROLLOUT_FAMILIES, run, run_data_and_context_parallel
 
@@ -43,10 +43,26 @@ def ranks(tmp_path_factory):
     return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
 
 
-def test_contiguous_shards_cover_the_prompt_once():
-    assert shard_bounds(36, 2) == [(0, 18), (18, 36)]
-    assert shard_bounds(7, 3) == [(0, 2), (2, 4), (4, 7)]
-    assert capture_attention_pairs(4, 2) == [3 + 4, 3]  # rank 0's keys serve both shards' queries
+def test_every_rank_holds_one_chunk_per_step_dealt_in_zigzag():
+    layout = ShardLayout.of(36, 2, 8)  # 36 tokens in chunks of at most 8: 3 steps of 2 chunks of 6
+    assert layout.bounds == tuple((start, start + 6) for start in range(0, 36, 6))
+    assert [layout.chunks(rank) for rank in (0, 1)] == [[0, 3, 4], [1, 2, 5]]
+    assert layout.held_before(1, 14) == 6 + 2 and layout.held_tokens(0) == layout.held_tokens(1) == 18
+    assert layout.local_indices(1, torch.tensor([0, 7, 13, 30])).tolist() == [-1, 1, 7, 12]
+    assert layout.global_indices(1, 5, 8).tolist() == [11, 12, 13]
+    assert layout.next_query(6) == 12 and layout.next_query(18) == 24 and layout.next_query(36) == 36
+    sizes = {end - start for start, end in ShardLayout.of(37, 3, 4).bounds}
+    assert sizes <= {3, 4} and len(ShardLayout.of(37, 3, 4).bounds) % 3 == 0
+    # a prompt barely longer than the group still gives every rank a chunk
+    assert [len(ShardLayout.of(5, 2, 1).chunks(rank)) for rank in (0, 1)] == [2, 2]
+
+
+def test_zigzag_balances_the_captures_attention_pairs():
+    pairs = capture_attention_pairs(ShardLayout.of(4096, 2, 256))
+    assert sum(pairs) == 4096 * 4097 // 2
+    assert max(pairs) / min(pairs) < 1.01  # contiguous shards: 3:1
+    four = capture_attention_pairs(ShardLayout.of(4096, 4, 256))
+    assert max(four) / min(four) < 1.05
 
 
 @pytest.mark.parametrize("case", CASES, ids="-".join)
@@ -67,16 +83,17 @@ def test_every_parameter_gradient_equals_the_single_process_one_on_every_rank(ra
 
 
 @pytest.mark.parametrize("case", CASES, ids="-".join)
-def test_each_rank_keeps_only_its_shard(ranks, case):
+def test_each_rank_keeps_only_its_chunks(ranks, case):
     results = [rank[case] for rank in ranks]
-    assert [r["shard"] for r in results] == shard_bounds(36, WORLD_SIZE)
+    layout = ShardLayout.of(36, WORLD_SIZE, 8)
+    assert [r["held"] for r in results] == [layout.held(rank) for rank in range(WORLD_SIZE)]
     whole = results[0]["whole_attention_bytes"]
     assert sum(r["attention_bytes"] for r in results) == whole
     window = results[0]["whole_window_bytes"]  # sliding-window layers keep their last window - 1 entries
     recurrent = results[0]["whole_state_bytes"] - whole - window  # fixed-size recurrent state: on every rank
+    assert sum(r["window_bytes"] for r in results) == window  # each of them on the one rank that captured it
     for r in results:
         assert r["attention_bytes"] == whole / WORLD_SIZE
-        assert r["window_bytes"] == window  # shards of 18 > window - 1 = 5: each rank keeps 5 entries per layer
         if case[1] == "detach":  # (exact mode keeps a recurrent state per capture chunk, as in one process)
             assert r["state_bytes"] == whole / WORLD_SIZE + r["window_bytes"] + recurrent
 
@@ -90,7 +107,7 @@ def test_rollouts_from_a_sharded_state_decode_the_single_process_tokens(ranks, f
             assert result["logit_error"] <= 1e-5, sampling
 
 
-def test_the_dsa_merge_sends_two_slots_of_top_k_per_rank_token_and_layer(ranks):
+def test_the_dsa_selection_sends_the_indexer_inputs_candidates_and_selection_per_token_and_layer(ranks):
     for rank in ranks:
         counted, formula = rank["indexer_communication"]
         assert counted == formula > 0
@@ -102,11 +119,6 @@ def test_fp8_pages_shard_too_and_score_within_fp8_rounding(ranks, family):
         to_fp8, to_full, stored_in_fp8 = rank["fp8"][family]
         assert stored_in_fp8
         assert to_fp8 <= 2e-2 and to_full <= 2e-2
-
-
-def test_a_parameter_only_one_ranks_recompute_reaches_gets_its_gradient_on_every_rank(ranks):
-    for rank in ranks:
-        assert rank["reached_on_one_rank"] == [[13.0] * 3, [5.0] * 3, None]  # 10 + (1 + 2); rank 0's 5; none
 
 
 def test_a_prompt_shorter_than_the_group_is_refused_naming_the_fix(ranks):
@@ -173,9 +185,8 @@ def test_groups_need_a_distributed_launch_and_a_world_the_size_divides(tmp_path)
 
 
 def test_broadcasting_never_writes_into_the_sources_tensor(tmp_path):
-    """The source's tensor may be an activation autograd saved (exact mode's recompute broadcasts hidden states for
-    the DSA indexer): a copy made for the wire (another device, or here a non-contiguous view) must not be written
-    back into it, which would bump its version and break the backward."""
+    """The source's tensor may be an activation autograd saved: a copy made for the wire (another device, or here a
+    non-contiguous view) must not be written back into it, which would bump its version and break the backward."""
     import torch.distributed as dist
 
     from trl_longstraw.context_parallel import ContextParallelGroup
@@ -186,7 +197,7 @@ def test_broadcasting_never_writes_into_the_sources_tensor(tmp_path):
         saved = (leaf * 2).t()  # non-contiguous: the wire gets a contiguous copy
         loss = (saved * saved).sum()  # saves `saved` for backward
         version = saved._version
-        ContextParallelGroup.of(None).broadcast_tensor(saved.detach(), source=0, kind="test")
+        ContextParallelGroup.of(None).broadcast(saved.detach(), source=0, kind="test")
         assert saved._version == version
         loss.backward()
     finally:
@@ -340,21 +351,29 @@ def test_rewards_that_differ_within_a_context_parallel_group_are_refused():
 
 # Three ranks: a middle rank receives recurrent state and hands it on (and relays its gradient back in exact mode),
 # ranks after the owner serve its recompute, attention sinks in the exact backward, DSA candidates from three ranks.
-THREE_RANK_CASES = [("qwen3_next", "exact"), ("gpt_oss", "exact"), ("glm_moe_dsa", "exact")]
+# Four ranks: dense, the GatedDeltaNet hybrid and DSA, with two steps of four chunks (zigzag: the recurrent state
+# crosses the step boundary on one rank).
+MANY_RANK_CASES = {
+    3: [("qwen3_next", "exact"), ("gpt_oss", "exact"), ("glm_moe_dsa", "exact")],
+    4: [("qwen3", "detach"), ("qwen3_next", "exact"), ("glm_moe_dsa", "exact")],
+}
 
 
 @pytest.mark.slow
-def test_three_context_parallel_ranks_score_replay_and_back_propagate_as_one_process(tmp_path):
+@pytest.mark.parametrize("world", sorted(MANY_RANK_CASES))
+def test_more_context_parallel_ranks_score_replay_and_back_propagate_as_one_process(tmp_path, world):
     from .context_parallel_worker import run_on_device
 
     os.environ["OMP_NUM_THREADS"] = "1"
-    args = (3, str(tmp_path / "init"), THREE_RANK_CASES, [], str(tmp_path), "cpu")
-    mp.start_processes(run_on_device, args=args, nprocs=3, join=True, start_method="fork")
-    ranks = [torch.load(tmp_path / f"cpu-rank{rank}.pt") for rank in range(3)]
-    for case in THREE_RANK_CASES:
+    cases = MANY_RANK_CASES[world]
+    args = (world, str(tmp_path / "init"), cases, [], str(tmp_path), "cpu")
+    mp.start_processes(run_on_device, args=args, nprocs=world, join=True, start_method="fork")
+    ranks = [torch.load(tmp_path / f"cpu-rank{rank}.pt") for rank in range(world)]
+    layout = ShardLayout.of(36, world, 8)
+    for case in cases:
         for rank in ranks:
             result = rank[case]
             assert result["score_error"] <= 1e-5 and result["replay_error"] <= 1e-5, case
             assert result["same_parameters"] and result["rank_difference"] == 0.0, case
             assert max(result["grad_errors"].values()) <= 1e-4, case
-        assert [rank[case]["shard"] for rank in ranks] == [(0, 12), (12, 24), (24, 36)]
+        assert [rank[case]["held"] for rank in ranks] == [layout.held(rank) for rank in range(world)]

@@ -1,45 +1,28 @@
-"""The rank protocol (`trl_longstraw/context_parallel/protocol.py`): one encode, one decode, and a mismatch between
-ranks raises on every rank instead of hanging in mismatched collectives."""
+"""The rank protocol's version (`trl_longstraw/context_parallel/protocol.py`): a mismatch between ranks raises on every
+rank instead of hanging in mismatched collectives."""
 
 import os
 from dataclasses import dataclass
 
-import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trl_longstraw.context_parallel import (
-    Announcement,
-    ContextParallelError,
-    ContextParallelGroup,
-    Phase,
-    check_protocol,
-)
+from trl_longstraw.context_parallel import ContextParallelError, ContextParallelGroup, check_protocol
+from trl_longstraw.context_parallel.protocol import protocol_signature
+from trl_longstraw.context_parallel.step import StepCall
 
 
 @dataclass(frozen=True)
-class AnnouncementWithOneMoreField(Announcement):
+class StepCallWithOneMoreField(StepCall):
     """What another version of the protocol might send: one field more."""
 
     chunk_index: int = 0
 
 
-def test_an_announcement_decodes_to_what_was_encoded():
-    sent = Announcement(Phase.RECOMPUTE, 3, (1, 8, 5, 16), 12, 40, 0.25, 4096, 50.0, torch.bfloat16, True, True, 7)
-    wire = sent.encode(torch.device("cpu"))
-    assert wire.shape == (Announcement.WIRE_SIZE,) and wire.dtype == torch.float64
-    assert Announcement.decode(wire) == sent
-    nothing = Announcement(Phase.END_OF_SHARD)  # None fields (no window, no soft-capping) survive too
-    assert Announcement.decode(nothing.encode(torch.device("cpu"))) == nothing
-
-
-def test_decode_refuses_an_announcement_another_protocol_encoded():
-    wire = AnnouncementWithOneMoreField(Phase.CAPTURE, 1).encode(torch.device("cpu"))
-    with pytest.raises(ContextParallelError, match="another version of trl_longstraw's rank protocol"):
-        Announcement.decode(wire)
-    with pytest.raises(ContextParallelError, match="another version"):
-        Announcement.decode(wire[:-1])
+def test_the_signature_follows_the_step_calls_fields():
+    assert protocol_signature() == protocol_signature(StepCall)
+    assert protocol_signature(StepCallWithOneMoreField) != protocol_signature()
+    assert 0 < protocol_signature() < 2**48
 
 
 def ranks_with_different_protocols(rank, world_size, init_file, out_dir):
@@ -48,7 +31,7 @@ def ranks_with_different_protocols(rank, world_size, init_file, out_dir):
         cp = ContextParallelGroup.of()
         check_protocol(cp)  # the same protocol on both ranks: passes
         try:
-            check_protocol(cp, AnnouncementWithOneMoreField if rank == 1 else Announcement)
+            check_protocol(cp, protocol_signature(StepCallWithOneMoreField if rank == 1 else StepCall))
             outcome = None
         except ContextParallelError as error:
             outcome = str(error)

@@ -84,7 +84,7 @@ def test_sliding_window_state_keeps_only_the_window():
     state = LongStrawEngine(4, 3).capture(model, prompt, first_position=0)
     window = model.config.sliding_window
     assert all(pages.key.read().shape[1] == window - 1 for pages in state.layers)
-    assert state.layers[0].start_position == prompt.numel() - 1 - (window - 1)
+    assert state.layers[0].first_entry == prompt.numel() - 1 - (window - 1)
 
 
 def test_exact_mode_keeps_every_entry_of_a_sliding_window_layer():

@@ -15,8 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 
-def average_gradients(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
-    """All-reduce (mean) the gradients of `params` across `group`, in one flat buffer per dtype.
+def average_gradients(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None = None, shares: int = 1) -> None:
+    """All-reduce the gradients of `params` across `group` into their mean over the data-parallel ranks, in one flat
+    buffer per dtype. `shares`: how many ranks each data-parallel gradient is split over (a context-parallel group's
+    ranks each hold the part of their members and chunks): the sum is divided by `world / shares`.
 
     `params` must be the same list, in the same order, on every rank; a parameter without a gradient gets zeros.
     """
@@ -34,7 +36,7 @@ def average_gradients(params: Sequence[nn.Parameter], group: dist.ProcessGroup |
     for same_dtype in by_dtype.values():
         flat = torch.cat([p.grad.reshape(-1) for p in same_dtype])
         dist.all_reduce(flat, group=group)
-        flat.div_(world_size)
+        flat.div_(world_size // shares)
         offset = 0
         for param in same_dtype:
             count = param.grad.numel()

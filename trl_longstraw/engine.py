@@ -406,6 +406,18 @@ class LongStrawEngine:
         suffix.advance(token_ids.shape[1])
         return outputs.logits[:, -1].to(dtype=torch.float32, copy=True)
 
+    # Whether the processes sharing a prompt state run every score and replay together (context parallelism): then a
+    # round where one has no member runs a `stand_in`.
+    lockstep = False
+
+    def members(self, count: int) -> list[int | None]:
+        """The members of a group of `count` this process scores or replays, in order (here: all of them)."""
+        return list(range(count))
+
+    def on_every_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on every process sharing the prompt state (here: this one's)."""
+        return flag
+
     def agree(self, decision: torch.Tensor) -> torch.Tensor:
         """A rollout step's decision (its sampled tokens, the rows still unfinished) as every process decoding these
         rows must take it (here: as given; under context parallelism, the first rank's)."""
@@ -434,17 +446,18 @@ class LongStrawEngine:
                 end = min(start + self.prefill_chunk_size, state.num_tokens)
                 self._recompute_chunk(model, state, prompt_ids, start, end, chunk_index, router_weights)
 
-    def _recompute_chunk(self, model, state, prompt_ids, start, end, chunk_index, router_weights, offset=0) -> None:
-        """One chunk of the prompt backward: recompute prompt tokens `start .. end - 1` under autograd and push the
-        gradient its state entries accumulated (and with `router_weights` the load-balancing loss's share through its
-        routing) into the parameters. `offset`: where this process's state starts (its shard, under CP)."""
+    def _recompute_chunk(self, model, state, prompt_ids, start, end, chunk_index, router_weights) -> None:
+        """One chunk of the prompt backward: recompute prompt tokens `start .. end - 1` (capture chunk `chunk_index`
+        of this process's state) under autograd and push the gradient its state entries accumulated (and with
+        `router_weights` the load-balancing loss's share through its routing) into the parameters."""
         access, load, outputs = self._backbone_forward(
             model, state, "recompute", prompt_ids[start:end], start, chunk_index
         )
+        entries = (state.local_prefix(start), state.local_prefix(end))  # the chunk's entries held here
         pairs = [
             pair
             for layer_state, recorded in access.recorded.items()
-            for pair in layer_state.recompute_pairs(recorded, chunk_index, start - offset, end - offset)
+            for pair in layer_state.recompute_pairs(recorded, chunk_index, *entries)
         ]
         if router_weights is not None:
             pairs.append((load.objective(router_weights), torch.ones((), device=load.probs.device)))
@@ -453,6 +466,10 @@ class LongStrawEngine:
             # these entries sit inside the layers: a zero gradient through the outputs reaches each layer first
             # (autograd runs the later-created node first), and keeps every rank's passes alike (fsdp.py)
             pairs.append((outputs.logits, torch.zeros_like(outputs.logits)))
+        elif state.recompute_in_lockstep:
+            # every rank's backward must reach every layer's attention, whose backward is a collective, whatever
+            # gradients its own entries hold: a zero gradient through the outputs (the residual stream) does
+            pairs.append((outputs.last_hidden_state, torch.zeros_like(outputs.last_hidden_state)))
         # An entry computed from frozen parameters alone (the first layer's keys under LoRA on q_proj/v_proj, PEFT's
         # default targets) has a gradient but no graph: nothing it could push that gradient into trains.
         pairs = [(tensor, grad) for tensor, grad in pairs if tensor.requires_grad]

@@ -28,7 +28,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.utils import logging
 
 from .accounting import UpdateAccount, UpdateSetup, prompt_state_bytes, stock_activation_bytes, update_account
-from .context_parallel import shard_bounds
+from .context_parallel import ShardLayout
 from .fsdp import is_sharded, shard_count
 
 logger = logging.get_logger(__name__)
@@ -224,7 +224,8 @@ def plan_run(
         )
     account = update_account(config, setup)
     captured = setup.prompt_tokens - 1  # all but the last prompt token are captured
-    shard = max(end - start for start, end in shard_bounds(captured, context_parallel))
+    layout = ShardLayout.of(captured, context_parallel, setup.prefill_chunk_size)
+    shard = max(layout.held_tokens(rank) for rank in range(context_parallel))
     per_shard = prompt_state_bytes(config, shard, setup.dtype_bytes, setup.state_dtype)
     sharded = sum(n for label, n in per_shard.items() if label in SHARDED_UNDER_CP)
     replicated = sum(n for label, n in account.state.items() if label not in SHARDED_UNDER_CP)

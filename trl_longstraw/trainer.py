@@ -668,10 +668,16 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 finite, members = [], []  # one flag per replayed member, checked once per group (no sync per member)
                 routing_detached = False
                 with self._phase("replay"):
-                    for member, row in enumerate(group.rows):
-                        length = group.completion_lengths[member]
-                        if length == 0 and router_weights is None:
+                    # under context parallelism each rank replays its own members, the group's ranks in step
+                    for member in self.engine.members(len(group.rows)):
+                        length = 0 if member is None else group.completion_lengths[member]
+                        if member is None or (length == 0 and router_weights is None):
+                            if self.engine.lockstep:  # a round without a member of this rank's: in step anyway
+                                self.engine.stand_in(
+                                    causal_lm, state, group.prompt_ids[-1:], completion_ids[group.rows[0]]
+                                )
                             continue
+                        row = group.rows[member]
                         with self.accelerator.autocast():
                             member_logps, member_entropies, *member_load = self.engine.replay(
                                 causal_lm,
@@ -700,8 +706,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                             router_objective,
                         )
                         replayed = True
-                    if finite:
-                        ensure_finite_members(torch.stack(finite), "phase 'replay'", group, members)
+                    finite = torch.stack(finite) if finite else torch.ones(0, dtype=torch.bool)
+                    if not self.engine.on_every_rank(bool(finite.all())) and bool(finite.all()):
+                        raise non_finite_error(f"phase 'replay', group {group.index}, a member another rank replayed")
+                    ensure_finite_members(finite, "phase 'replay'", group, members)
                 if exact:
                     with self._phase("prompt_backward"), self.accelerator.autocast():
                         self.engine.backward_prompt(
@@ -720,7 +728,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 return
             self._give_every_reached_parameter_a_gradient(causal_lm, groups, completion_ids, replayed)
             if self.accelerator.sync_gradients:  # over every rank (under CP too: `build_context_parallel_group`)
-                average_gradients(self._reached)
+                average_gradients(self._reached, shares=self.args.context_parallel_size)
 
     def _give_every_reached_parameter_a_gradient(self, causal_lm, groups, completion_ids, replayed: bool) -> None:
         """Zero `.grad` for every parameter a backward reaches and that none reached this time, as stock's would be.

@@ -57,21 +57,19 @@ from .communication import (
     communication_device,
 )
 from .data import SharedRowsSampler, check_same_rewards, check_same_rows, leader_rows, share_leader_inputs
-from .engine import ContextParallelEngine, sum_added_gradients
+from .engine import ContextParallelEngine
 from .merge import ContextParallelAttention, merge_across, merge_topk
-from .protocol import Announcement, Phase, check_protocol
-from .sharding import ContextParallelError, capture_attention_pairs, check_prompt_length, shard_bounds
-from .state import SERVED, ShardedPromptState
+from .protocol import check_protocol
+from .sharding import ContextParallelError, ShardLayout, capture_attention_pairs, check_prompt_length
+from .state import ShardedPromptState
 
 __all__ = [
     "COMMUNICATION",
-    "SERVED",
-    "Announcement",
     "ContextParallelAttention",
     "ContextParallelEngine",
     "ContextParallelError",
     "ContextParallelGroup",
-    "Phase",
+    "ShardLayout",
     "ShardedPromptState",
     "SharedRowsSampler",
     "build_context_parallel_group",
@@ -84,7 +82,5 @@ __all__ = [
     "leader_rows",
     "merge_across",
     "merge_topk",
-    "shard_bounds",
     "share_leader_inputs",
-    "sum_added_gradients",
 ]

@@ -78,23 +78,45 @@ class ContextParallelGroup:
             return tensor
         return self._in_place(lambda wire: dist.broadcast(wire, group=self.group, group_src=source), tensor)
 
-    def broadcast_tensor(self, tensor: torch.Tensor | None, source: int, kind: str) -> torch.Tensor:
-        """A tensor of any shape and dtype from `source` (`None` elsewhere; header first: the others allocate from
-        it), on `device` except at the source."""
-        header = _header(tensor, self.device) if self.rank == source else torch.zeros(8, dtype=torch.int64)
-        header = self.broadcast(header, source, kind="header")
-        if self.rank != source:
-            tensor = _allocated(header, self.device)
-        return self.broadcast(tensor.detach(), source, kind=kind)
+    def all_gather(self, tensor: torch.Tensor, kind: str) -> list[torch.Tensor]:
+        """Every rank's `tensor` (the same shape and dtype on every rank), by rank, on `tensor`'s device."""
+        wire = self._wire(tensor)
+        gathered = [torch.empty_like(wire) for _ in range(self.size)]
+        COMMUNICATION[kind] += tensor.numel() * (self.size - 1)
+        dist.all_gather(gathered, wire, group=self.group)
+        return [piece.to(tensor.device) for piece in gathered]
 
-    def send(self, tensor: torch.Tensor, destination: int) -> None:
-        """A tensor of any shape and dtype to `destination` (header first: the receiver allocates from it)."""
-        dist.send(_header(tensor, self.device), group=self.group, group_dst=destination)
+    def all_to_all(self, tensors: list[torch.Tensor], kind: str) -> list[torch.Tensor]:
+        """`tensors[r]` to rank r, and back what every rank sent this one, by rank (equal shapes and dtypes)."""
+        wires = [self._wire(tensor) for tensor in tensors]
+        received = [torch.empty_like(wire) for wire in wires]
+        COMMUNICATION[kind] += sum(tensor.numel() for rank, tensor in enumerate(tensors) if rank != self.rank)
+        dist.all_to_all(received, wires, group=self.group)
+        return [piece.to(tensors[0].device) for piece in received]
+
+    def send_async(self, tensor: torch.Tensor, destination: int) -> list:
+        """A tensor of any shape and dtype to `destination` (header first: `receive` allocates from it), without
+        waiting for the receiver: the requests, to wait on (the wire tensors are kept with them)."""
+        header, wire = _header(tensor, self.device), self._wire(tensor.detach())
         COMMUNICATION["send"] += tensor.numel()
-        dist.send(self._wire(tensor.detach()), group=self.group, group_dst=destination)
+        requests = [dist.isend(piece, group=self.group, group_dst=destination) for piece in (header, wire)]
+        return [(request, header, wire) for request in requests]
+
+    def send_tagged(self, tensor: torch.Tensor, destination: int, tag: int) -> list:
+        """A tensor whose shape and dtype the receiver knows to `destination`, without waiting, matched by `tag`
+        (`receive_tagged`): the request and the wire tensor, to wait on."""
+        wire = self._wire(tensor.detach())
+        COMMUNICATION["send"] += tensor.numel()
+        return [(dist.isend(wire, group=self.group, group_dst=destination, tag=tag), wire)]
+
+    def receive_tagged(self, like: torch.Tensor, source: int, tag: int) -> torch.Tensor:
+        """What `send_tagged` sent with `tag`, into a tensor like `like` (on `like`'s device)."""
+        wire = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        dist.recv(wire, group=self.group, group_src=source, tag=tag)
+        return wire.to(like.device)
 
     def receive(self, source: int) -> torch.Tensor:
-        """The tensor `send` sent, on `device` (the caller moves it where it is kept)."""
+        """The tensor `send_async` sent, on `device` (the caller moves it where it is kept)."""
         header = torch.empty(8, dtype=torch.int64, device=self.device)
         dist.recv(header, group=self.group, group_src=source)
         tensor = _allocated(header, self.device)

@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from ..engine import LongStrawEngine, check_prepared, no_layer_checkpointing, non_finite_error, weights_version
 from ..load_balancing import RouterLoad
-from .communication import ContextParallelGroup, pack, unpack
+from .communication import ContextParallelGroup
 from .protocol import check_protocol
-from .sharding import check_prompt_length
+from .sharding import ShardLayout, check_prompt_length
 from .state import ShardedPromptState
 
 
@@ -45,38 +45,101 @@ class ContextParallelEngine(LongStrawEngine):
             decision.dtype
         )
 
-    def _own_chunks(self, state: ShardedPromptState) -> list[tuple[int, int]]:
-        shard_start, shard_end = state.shard
-        return [
-            (start, min(start + self.prefill_chunk_size, shard_end))
-            for start in range(shard_start, shard_end, self.prefill_chunk_size)
-        ]
+    @property
+    def lockstep(self) -> bool:
+        return self.sharded
+
+    def on_every_rank(self, flag: bool) -> bool:
+        if not self.sharded:
+            return flag
+        agreed = self.context_parallel.all_reduce(torch.tensor([float(flag)]), op=dist.ReduceOp.MIN, kind="rows")
+        return bool(agreed.item())
+
+    def members(self, count: int) -> list[int | None]:
+        """The members this rank scores or replays, one per round: member `round * cp + rank` of the group's `count`,
+        or None where the last round has fewer (a stand-in then keeps the rank in step with the group)."""
+        if not self.sharded:
+            return super().members(count)
+        size, rank = self.context_parallel.size, self.context_parallel.rank
+        return [round_ * size + rank if round_ * size + rank < count else None for round_ in range(-(-count // size))]
+
+    def _merge_member_load(self, load: RouterLoad) -> RouterLoad:
+        total = self.context_parallel.all_reduce(
+            torch.cat([load.counts, load.probs, load.rows.reshape(1)]), kind="rows"
+        )
+        experts = self.routing.num_experts
+        return RouterLoad(total[:experts], total[experts : 2 * experts], total[-1])
+
+    @torch.no_grad()
+    def score(self, model, state, last_prompt_token, completions, lengths, batch_size, router_load=False):
+        """Each rank scores its members (`members`, one at a time whatever `batch_size`), and every rank gets every
+        member's log-probs and entropies (one all-gather)."""
+        if not self.sharded:
+            return super().score(model, state, last_prompt_token, completions, lengths, batch_size, router_load)
+        if router_load and self.routing is None:
+            raise ValueError("router_load=True needs an engine built with the model's routing")
+        cp = self.context_parallel
+        width = completions.shape[1]
+        rounds = []
+        load = has_entropies = None
+        for member in self.members(len(completions)):
+            rows = [0 if member is None else member]
+            length = torch.zeros(1, dtype=lengths.dtype) if member is None else lengths[rows]
+            logps, entropies, member_load = self._member_forward(
+                model, state, last_prompt_token, completions[rows], length
+            )
+            has_entropies = entropies is not None
+            scored = torch.zeros(2, width, dtype=torch.float32, device=logps.device)
+            if member is not None:
+                scored[0, : logps.shape[1]] = logps[0]
+                if entropies is not None:
+                    scored[1, : entropies.shape[1]] = entropies[0]
+                if member_load is not None:
+                    load = member_load if load is None else load + member_load
+            rounds.append(scored)
+        gathered = cp.all_gather(torch.stack(rounds), kind="rows") if rounds else []
+        logps = torch.zeros(completions.shape, device=self._device(model))
+        entropies = torch.zeros_like(logps) if has_entropies else None
+        for rank, scored in enumerate(gathered):
+            for round_, values in enumerate(scored):
+                member = round_ * cp.size + rank
+                if member < len(completions):
+                    logps[member] = values[0].to(logps.device)
+                    if entropies is not None:
+                        entropies[member] = values[1].to(logps.device)
+        if not router_load:
+            return logps, entropies
+        load = RouterLoad.zeros(self.routing, self._device(model)) if load is None else load
+        return logps, entropies, self._merge_member_load(load)
+
+    def stand_in(self, model, state, last_prompt_token, completion) -> None:
+        """A replay that adds nothing (one token, zero gradient), for a round where this rank has no member: its
+        forward and backward meet the group's collectives."""
+        logps, _ = self.replay(model, state, last_prompt_token, completion, 1)
+        logps.backward(torch.zeros_like(logps))
+
+    def layout(self, prompt_tokens: int) -> ShardLayout:
+        """The chunks of a prompt of `prompt_tokens` tokens (all but the last captured) over the CP group."""
+        check_prompt_length(prompt_tokens, self.context_parallel.size)
+        return ShardLayout.of(prompt_tokens - 1, self.context_parallel.size, self.prefill_chunk_size)
 
     @torch.no_grad()
     def capture(self, model, prompt_ids, first_position):
+        """Step by step, every rank capturing its chunk of the step at once (`ShardedPromptState.step_attention`)."""
         if not self.sharded:
             return super().capture(model, prompt_ids, first_position)
         cp = self.context_parallel
         check_prepared(model)
-        check_prompt_length(prompt_ids.numel(), cp.size)
-        if not self._protocol_checked:  # before the first announcement: every rank raises alike on a mismatch
+        layout = self.layout(prompt_ids.numel())
+        if not self._protocol_checked:  # before the first collective: every rank raises alike on a mismatch
             check_protocol(cp)
             self._protocol_checked = True
-        state = self.empty_state(model, prompt_ids.numel() - 1, first_position, ShardedPromptState, cp=cp)
-        for owner in range(cp.size):
-            if owner != cp.rank:
-                state.serve(owner, self.attention_chunk_size, self._device(model))
-                continue
-            if owner > 0:
-                state.receive_recurrent(owner - 1)
-            for chunk_index, (start, end) in enumerate(self._own_chunks(state)):
-                chunk = chunk_index + state.chunk_offset
-                _, load, _ = self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk)
-                state.add_router_load(load)
-            state.end_of_shard()
-            if owner < cp.size - 1:
-                state.send_recurrent(owner + 1)
-        state.share_final_recurrent()
+        state = self.empty_state(model, layout.num_tokens, first_position, ShardedPromptState, cp=cp, layout=layout)
+        for local, chunk in enumerate(layout.chunks(cp.rank)):
+            start, end = layout.bounds[chunk]
+            _, load, _ = self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, local)
+            state.add_router_load(load)
+        state.finish_capture()
         if self.routing is not None:  # every rank holds the whole prompt's routing sums
             experts = self.routing.num_experts
             load = state.router_load
@@ -89,52 +152,20 @@ class ContextParallelEngine(LongStrawEngine):
         return state
 
     def backward_prompt(self, model, state, prompt_ids, router_weights=None) -> None:
-        """Exact mode: each rank pushes its shard's state gradient into the parameters by recomputing its own chunks,
-        shards in reverse order (the last shard's recompute sends gradients into earlier shards' pages, served where
-        they live, and into its starting recurrent state, sent back to the previous shard's owner, before those are
-        recomputed); then the parameter gradients this added are summed across the CP group (with `router_weights`,
-        each rank's chunks add their tokens' share of the load-balancing loss's gradient)."""
+        """Exact mode: the steps are recomputed in reverse, every rank its chunk of the step at once (the step's
+        attention backward gives the pages of earlier steps their gradients where they live, before those are
+        recomputed, and the step's chunks their gradients from each other); a chunk's starting recurrent states hand
+        their gradient to the previous chunk's final ones, layer by layer. Then the parameter gradients this added
+        are summed across the CP group (with `router_weights`, each rank's chunks add their tokens' share of the
+        load-balancing loss's gradient)."""
         if not self.sharded:
             return super().backward_prompt(model, state, prompt_ids, router_weights)
-        cp = self.context_parallel
+        layout = state.layout
         state.check_fresh(weights_version(model))
-        params = [p for p in model.parameters() if p.requires_grad]
-        before = [None if p.grad is None else p.grad.clone() for p in params]
-        chunks = self._own_chunks(state)
-        shard_start = state.shard[0]
+        state.sum_final_state_gradients()
         with no_layer_checkpointing(model), torch.enable_grad():
-            for owner in reversed(range(cp.size)):
-                if owner != cp.rank:
-                    state.serve(owner, self.attention_chunk_size, self._device(model))
-                    continue
-                if owner < cp.size - 1:
-                    state.receive_recurrent_gradients(owner + 1, len(chunks))
-                for chunk_index in reversed(range(len(chunks))):
-                    start, end = chunks[chunk_index]
-                    chunk = chunk_index + state.chunk_offset
-                    self._recompute_chunk(model, state, prompt_ids, start, end, chunk, router_weights, shard_start)
-                state.end_of_shard()
-                if owner > 0:
-                    state.send_recurrent_gradients(owner - 1)
-        sum_added_gradients(params, before, cp)
-
-
-def sum_added_gradients(params, before, cp: ContextParallelGroup) -> None:
-    """Sum across the CP group what each rank's prompt recompute added to the parameter gradients (the replays'
-    part, identical on every rank, is kept once). A parameter reached on any rank gets a gradient on every rank."""
-    reached = torch.tensor([float(p.grad is not None) for p in params])
-    cp.all_reduce(reached, op=dist.ReduceOp.MAX, kind="gradients")
-    params = [(p, b) for p, b, r in zip(params, before, reached.tolist(), strict=True) if r]
-    added = [
-        p.grad - b if b is not None else (p.grad if p.grad is not None else torch.zeros_like(p)) for p, b in params
-    ]
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for index, delta in enumerate(added):
-        by_dtype.setdefault(delta.dtype, []).append(index)
-    for indices in by_dtype.values():
-        summed = unpack(
-            cp.all_reduce(pack([added[i] for i in indices]), kind="gradients"), [added[i] for i in indices]
-        )
-        for i, total in zip(indices, summed, strict=True):
-            param, base = params[i]
-            param.grad = total.clone() if base is None else base + total
+            for step in reversed(range(layout.steps)):
+                start, end = layout.bounds[layout.chunk_of(self.context_parallel.rank, step)]
+                state.before_recompute(step)
+                self._recompute_chunk(model, state, prompt_ids, start, end, state.entry_after(step), router_weights)
+                state.after_recompute()

@@ -43,6 +43,16 @@ def merge_across(out: torch.Tensor, lse: torch.Tensor, cp: ContextParallelGroup)
     return merged, safe + torch.log(total)
 
 
+def merge_stacked(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact softmax over the union of several key sets, from their partials stacked on dim 0 (`out [n, ...,
+    dv]`, `lse [n, ...]`): what `merge_across` computes, where one rank holds every partial."""
+    safe = _finite(lse.max(0).values)
+    weight = torch.exp(lse - safe)
+    total = weight.sum(0)
+    merged = (weight[..., None] * out).sum(0) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+    return merged, safe + torch.log(total)
+
+
 def merge_topk(
     candidates: tuple[torch.Tensor, torch.Tensor] | None, like: torch.Tensor, k: int, cp: ContextParallelGroup
 ) -> tuple[torch.Tensor, torch.Tensor]:

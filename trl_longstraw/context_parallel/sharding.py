@@ -1,24 +1,122 @@
 """Sharding arithmetic: which captured tokens each rank of a CP group holds, and what that costs each rank.
 
-Contiguous shards, `shard r = [r N / cp, (r + 1) N / cp)` of the `N` captured tokens (sizes differ by at most one).
-Why contiguous rather than zigzag: after capture, every replayed and scored query sits after the whole prompt and
-reads every shard, so the replay's attention work (the phase repeated G times per capture) is balanced whatever the
-layout, and contiguous shards hand the recurrent state on between neighbours only. The capture is causal, hence
-imbalanced: rank r's keys are read by the queries of shards r..cp-1, so the capture's attention pairs on rank r are
-proportional to `(cp - r - 1/2) / cp^2` of `N^2` (cp = 2: 3/8 vs 1/8 of `N^2`, a 3:1 ratio;
-`capture_attention_pairs` computes it).
+The captured tokens are cut into `steps x cp` chunks of about `prefill_chunk_size` tokens (sizes differing by at most
+one, so that every rank gets one chunk per step), and step s's chunks are dealt to the ranks in order on even steps and
+in reverse order on odd ones (zigzag): rank r holds chunk `s cp + r` (s even) or `s cp + cp - 1 - r` (s odd). Why:
+
+- The capture runs step by step with every rank capturing its chunk of the step at once (`ContextParallelEngine`):
+  a chunk reads only earlier chunks, which are either earlier steps' (pages, on every rank alike) or the step's own
+  earlier chunks, so all ranks of a group work at the same time, layer by layer.
+- Every rank holds one chunk per step, so the pages every step's queries read are spread evenly: each rank serves
+  `1/cp` of the capture's (query, key) pairs over pages. Within a step the rank holding an earlier chunk computes the
+  later chunks' attention over it; zigzag alternates which rank that is, so over two steps every rank does
+  `cp - 1` of those chunk pairs (`capture_attention_pairs`).
+- Recurrent states pass from chunk to chunk: within a step from rank to rank (a wavefront: rank r runs a recurrent
+  layer as soon as the rank before it has, while that one goes on to its next layer), and across a step boundary on
+  the same rank (zigzag: the last chunk of a step and the first of the next have the same owner).
+- After the capture, every replayed and scored query reads every rank's pages, so replays stay balanced.
 """
 
 from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
 
 
 class ContextParallelError(ValueError):
     """A context-parallel setup that cannot work (the message names the fix)."""
 
 
-def shard_bounds(num_tokens: int, size: int) -> list[tuple[int, int]]:
-    """Contiguous shards of `num_tokens` captured tokens over `size` ranks, sizes differing by at most one."""
-    return [(rank * num_tokens // size, (rank + 1) * num_tokens // size) for rank in range(size)]
+@dataclass(frozen=True)
+class ShardLayout:
+    """The chunks of `num_tokens` captured tokens (`bounds`, in prompt order) and the rank of `size` that holds each."""
+
+    num_tokens: int
+    size: int
+    bounds: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, num_tokens: int, size: int, chunk_size: int) -> ShardLayout:
+        """`steps x size` chunks of at most about `chunk_size` tokens (at least one token each: `num_tokens >= size`)."""
+        steps = max(1, min(-(-num_tokens // (size * chunk_size)), num_tokens // size))
+        count = steps * size
+        return cls(
+            num_tokens, size, tuple((c * num_tokens // count, (c + 1) * num_tokens // count) for c in range(count))
+        )
+
+    @property
+    def steps(self) -> int:
+        return len(self.bounds) // self.size
+
+    def owner(self, chunk: int) -> int:
+        """The rank that holds (and captures) `chunk`."""
+        step, place = divmod(chunk, self.size)
+        return place if step % 2 == 0 else self.size - 1 - place
+
+    def chunk_of(self, rank: int, step: int) -> int:
+        """The chunk `rank` holds in `step`."""
+        return step * self.size + (rank if step % 2 == 0 else self.size - 1 - rank)
+
+    def chunks(self, rank: int) -> list[int]:
+        """`rank`'s chunks, in prompt order (one per step)."""
+        return [self.chunk_of(rank, step) for step in range(self.steps)]
+
+    def step_chunks(self, step: int) -> list[int]:
+        """The chunk each rank captures in `step`, by rank."""
+        return [self.chunk_of(rank, step) for rank in range(self.size)]
+
+    def chunk_at(self, start: int) -> int:
+        """The chunk that starts at captured-token index `start`."""
+        chunk = bisect.bisect_left(self._starts, start)
+        if chunk == len(self.bounds) or self._starts[chunk] != start:
+            raise ValueError(f"No chunk of this layout starts at token {start}.")
+        return chunk
+
+    @cached_property
+    def _starts(self) -> list[int]:
+        return [start for start, _ in self.bounds]
+
+    def held(self, rank: int) -> list[tuple[int, int]]:
+        """The captured-token ranges `rank` holds, in prompt order."""
+        return [self.bounds[chunk] for chunk in self.chunks(rank)]
+
+    def held_tokens(self, rank: int) -> int:
+        return sum(end - start for start, end in self.held(rank))
+
+    def held_before(self, rank: int, index: int) -> int:
+        """How many of the captured tokens before index `index` `rank` holds (its local entry count there)."""
+        return sum(max(0, min(end, index) - start) for start, end in self.held(rank))
+
+    def global_indices(self, rank: int, first: int, end: int) -> torch.Tensor:
+        """Captured-token indices of `rank`'s local entries `first .. end - 1` (host)."""
+        if rank not in self._held_indices:
+            self._held_indices[rank] = torch.cat([torch.arange(start, stop) for start, stop in self.held(rank)])
+        return self._held_indices[rank][first:end]
+
+    @cached_property
+    def _held_indices(self) -> dict[int, torch.Tensor]:
+        return {}
+
+    def local_indices(self, rank: int, indices: torch.Tensor) -> torch.Tensor:
+        """`indices` (captured-token indices, any shape) as `rank`'s local entry indices; -1 where another rank holds
+        the token (or the index is none of the prompt's)."""
+        held = self.held(rank)
+        starts = torch.tensor([start for start, _ in held], device=indices.device)
+        ends = torch.tensor([end for _, end in held], device=indices.device)
+        before = torch.tensor([0] + [end - start for start, end in held][:-1], device=indices.device).cumsum(0)
+        which = (torch.searchsorted(starts, indices, right=True) - 1).clamp(min=0)
+        inside = (indices >= starts[which]) & (indices < ends[which])
+        return torch.where(inside, before[which] + indices - starts[which], torch.full_like(indices, -1))
+
+    def next_query(self, end: int) -> int:
+        """The first captured-token index any query may have once the chunk ending at `end` is captured: the start of
+        the next step (the chunks of a step attend to each other before any of them is kept)."""
+        chunk = bisect.bisect_left([stop for _, stop in self.bounds], end)
+        step_end = (chunk // self.size + 1) * self.size
+        return self.num_tokens if step_end >= len(self.bounds) else self.bounds[step_end][0]
 
 
 def check_prompt_length(prompt_tokens: int, size: int) -> None:
@@ -31,10 +129,11 @@ def check_prompt_length(prompt_tokens: int, size: int) -> None:
         )
 
 
-def capture_attention_pairs(num_tokens: int, size: int) -> list[int]:
-    """Causal (query, key) pairs of the capture whose key lives on each rank: the capture's attention work per rank."""
-    pairs = []
-    for start, end in shard_bounds(num_tokens, size):
+def capture_attention_pairs(layout: ShardLayout) -> list[int]:
+    """Causal (query, key) pairs of the capture each rank computes: those over the keys it holds (a key's holder
+    computes every later query's attention over it), the capture's attention work per rank."""
+    pairs = [0] * layout.size
+    for chunk, (start, end) in enumerate(layout.bounds):
         length = end - start
-        pairs.append(length * (length + 1) // 2 + length * (num_tokens - end))
+        pairs[layout.owner(chunk)] += length * (length + 1) // 2 + length * (layout.num_tokens - end)
     return pairs

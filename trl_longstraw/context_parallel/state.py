@@ -1,76 +1,72 @@
-"""One rank's shard of a prompt state, and the serving side of the rank protocol.
+"""One rank's chunks of a prompt state: the steps' attention and top-k across the group, the recurrent hand-offs.
 
-Every rank of a CP group keeps the durable state of one contiguous shard of the captured prompt tokens (`sharding.py`):
-each layer state sees its shard's geometry (the shard's tokens at their absolute positions, the whole prompt's first
-position as `prompt_start`), so a kind's pages hold exactly its shard and its sliding window the last `window - 1`
-entries of its shard. Nothing of another rank's pages is ever copied: `ShardedPromptState.attention` replaces the
-single-process attention over a kind's pages (`LayerState.page_block`) with this rank's partial over its pages, merged
-across the group (`merge.ContextParallelAttention`); in a capture or recompute the owner of the chunk announces the
-call (`protocol.py`) and the other ranks `serve` it over their pages. Recurrent kinds hand their chunk states
-(`LayerState.chunk_states`) from shard to shard; the last shard's final states are broadcast so that every rank's
-replay starts from the whole prompt's. DSA: each rank's top-k candidates over its indexer keys (`state/dsa.py`) are
-merged into the global top-k on every rank (`merge.merge_topk`). No kind is named here: each answers for itself.
+Every rank of a CP group keeps the durable state of its chunks of the captured prompt tokens (`sharding.py`): each
+layer state reads its entries' positions and indices through the geometry (`PromptGeometry.layout`), so a kind's
+pages hold exactly this rank's chunks and a sliding window the entries of them a later query still reads. Nothing of
+another rank's pages is ever copied: a query's attention over them is computed where they live, as a partial
+`(o, lse)`, and the partials are merged by log-sum-exp, which is exact.
+
+- Capture and exact-mode recompute run step by step, every rank's chunk of the step at once (the recompute in
+  reverse). Attention: `step.StepAttention`. A DSA indexer call: the step's indexer inputs are all-gathered, each
+  rank takes the top-k candidates of every query over the keys it holds before that query's chunk, the candidates go
+  to the queries' ranks (all-to-all), which take their top-k, and the selections are all-gathered for the attention
+  that applies them. Recurrent kinds hand their chunk states (`LayerState.chunk_states`) from the holder of a chunk to
+  the holder of the next as each layer records them (a wavefront: the next rank runs that layer while this one goes
+  on); in the recompute their gradients go back the same way, each layer's as soon as it is accumulated.
+- Replay, scoring, rollouts: every rank runs the same rows in lockstep (`attention`, `merge.ContextParallelAttention`).
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from collections import Counter
-from dataclasses import dataclass
 
 import torch
 
-from ..attention import KeyBlock, Visibility, blocks_backward
+from ..attention import KeyBlock, Visibility
 from ..state import LayerState, PromptState
-from .communication import ContextParallelGroup, pack
-from .merge import AttentionCall, ContextParallelAttention, merge_across, merge_topk, partial_attention
-from .protocol import Announcement, Phase
-from .sharding import ContextParallelError, shard_bounds
-
-# Attention this process computed for other ranks' chunks (capture, recompute): wall seconds of the partials and
-# (query token, key) pairs, the capture's imbalance as measured (benchmarks/context_parallel.py reports it).
-SERVED: Counter = Counter()
-
-
-@dataclass
-class ServedCall:
-    """What a serving rank keeps of one recompute attention call until its backward: one chunk's queries and merge."""
-
-    announcement: Announcement
-    query: torch.Tensor
-    positions: torch.Tensor
-    selection: torch.Tensor | None  # DSA: the merged top-k indices the owner's attention applies
-    out: torch.Tensor | None = None
-    lse: torch.Tensor | None = None
+from .communication import ContextParallelGroup
+from .merge import AttentionCall, ContextParallelAttention, merge_topk
+from .sharding import ContextParallelError, ShardLayout
+from .step import StepAttention, StepCall, exchange, gather_step
 
 
 class ShardedPromptState(PromptState):
-    """One rank's share of a prompt state under context parallelism.
+    """One rank's share of a prompt state under context parallelism: its chunks of `layout`.
 
-    Its layer states see the geometry of this rank's shard (`geometry`: the shard's tokens at their absolute
-    positions), so an attention kind's pages hold exactly its shard and know their positions; the state itself
-    presents the whole prompt (`num_tokens`, `start_position`), which is what a replay continues after.
+    Its layer states see this rank's entries (`PromptGeometry.layout`, `rank`); the state itself presents the whole
+    prompt (`num_tokens`, `start_position`), which is what a replay continues after.
 
-    Recurrent kinds: on a rank after the first, entry 0 of each of a layer's chunk states is the previous shard's
-    final state (the start of this shard), so this rank's capture chunk k is chunk `k + chunk_offset` of its layer
-    states; exact mode keeps, after this shard's own entries, the whole prompt's final state for the replays.
+    Recurrent kinds, exact mode: each of this rank's chunks keeps its starting states (the previous chunk's final
+    ones, received or copied; none for the prompt's first chunk) and its final states, in prompt order
+    (`entry_before`, `entry_after`), then the whole prompt's final states for the replays.
     """
 
-    def __init__(self, plans, num_tokens, start_position, cp: ContextParallelGroup, **kwargs):
+    def __init__(self, plans, num_tokens, start_position, cp: ContextParallelGroup, layout: ShardLayout, **kwargs):
         self.cp = cp
-        self.bounds = shard_bounds(num_tokens, cp.size)
-        shard_start, shard_end = self.bounds[cp.rank]
+        self.layout = layout
         super().__init__(
             plans,
-            num_tokens=shard_end - shard_start,
-            start_position=start_position + shard_start,
+            num_tokens=layout.held_tokens(cp.rank),
+            start_position=start_position + layout.held(cp.rank)[0][0],
             prompt_start=start_position,
+            layout=layout,
+            rank=cp.rank,
             **kwargs,
         )
         self._whole = (num_tokens, start_position)
-        self.chunk_offset = 0
-        self.selection: torch.Tensor | None = None  # the last merged DSA top-k (`finish_selection`)
+        self.step_selections: list[torch.Tensor] | None = None  # each rank's last DSA top-k of the step
+        self._step_calls: list[dict] | None = None  # each rank's inputs of the indexer call in flight
+        self._started: dict[int, int] = {}  # capture: id(layer state) -> the chunk whose starting states it holds
+        self._recorded: Counter = Counter()  # capture: (id(layer state), chunk) -> states recorded
+        self._sending: list = []  # the hand-offs in flight (capture: states; recompute: their gradients)
+        self._hooks: list = []  # recompute: the starting states' gradient hand-offs
+        self._wrapped: set[int] = set()  # recompute: the recorded final states already wrapped
+        self._chunk_state_tags: dict[int, int] = {}  # id(layer state) -> its first chunk state's message tag
+        for layer in self.layers:
+            self._chunk_state_tags[id(layer)] = sum(
+                len(other.chunk_states()) for other in self.layers[: self.layers.index(layer)]
+            )
         self._refuse_unsharded_layers()
 
     def _refuse_unsharded_layers(self) -> None:
@@ -99,15 +95,19 @@ class ShardedPromptState(PromptState):
     def start_position(self) -> int:
         return self._whole[1]
 
-    @property
-    def shard(self) -> tuple[int, int]:
-        return self.bounds[self.cp.rank]
+    def chunk_positions(self, chunk: int) -> torch.Tensor:
+        start, end = self.layout.bounds[chunk]
+        return torch.arange(self.start_position + start, self.start_position + end)
 
-    def local_prefix(self, prefix_length: int) -> int:
-        shard_start, shard_end = self.shard
-        return max(0, min(prefix_length, shard_end) - shard_start)
+    def _step_chunks(self, access) -> list[int]:
+        """Every rank's chunk of the capture (or recompute) step this forward runs, by rank."""
+        return self.layout.step_chunks(self.layout.chunk_at(access.prefix_length) // self.cp.size)
 
-    # -- attention: this rank's partial over its pages, merged across the group ----------------------------------------
+    def _gather_step(self, tensor: torch.Tensor, chunks: list[int], dim: int, kind: str) -> list[torch.Tensor]:
+        lengths = [end - start for start, end in (self.layout.bounds[chunk] for chunk in chunks)]
+        return gather_step(self.cp, tensor, lengths, dim, kind)
+
+    # -- attention ------------------------------------------------------------------------------------------------------
     def attention(
         self,
         access,
@@ -121,193 +121,227 @@ class ShardedPromptState(PromptState):
         sinks: torch.Tensor | None = None,
         indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`PromptState.attention` over every rank's pages, as one softmax across the CP group; announced to the
-        serving ranks when this rank owns the chunk (capture, recompute)."""
-        positions = access.query_positions
-        limit, on_backward = None, None
-        if access.mode in ("read", "decode"):  # every rank runs the member (rows): rank 0 counts its own keys
-            owns_suffix, reduce_suffix = self.cp.rank == 0, True
-        else:  # this rank owns the chunk being captured or recomputed
-            owns_suffix, reduce_suffix = True, False
-            announcement = Announcement(
-                Phase.CAPTURE if access.mode == "capture" else Phase.RECOMPUTE,
-                layer.layer_idx,
-                tuple(query.shape),
-                own_values.shape[-1],
-                int(positions[0]),
-                scaling,
-                visibility.sliding_window,
-                softcap,
-                query.dtype,
-                sinks is not None,
-                indices is not None,
+        """`PromptState.attention` over every rank's pages, as one softmax across the CP group: a capture or recompute
+        step's, every rank's chunk at once (`step.StepAttention`), or a replay's, every rank running the same rows."""
+        if access.mode == "read":
+            return self._rows_attention(
+                access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
             )
-            announcement.send(self.cp)
-            self.cp.broadcast(query.detach().contiguous(), self.cp.rank, kind="capture")
-            if access.mode == "recompute":  # the pages before the chunk
-                limit = self.local_prefix(access.prefix_length)
-                on_backward = functools.partial(self.announce_backward, layer.layer_idx)
-        page_blocks, page_tensors = layer.page_block(query.dtype, limit, indices)
+        if access.mode in ("capture", "recompute"):
+            return self._step_attention(
+                access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
+            )
+        page_blocks, page_tensors = layer.page_block(query.dtype, None, indices)
         own_picked = None if indices is None else indices.long() - access.prefix_length
         call = AttentionCall(
             self.cp,
-            owns_suffix,
-            reduce_suffix,
-            positions,
+            self.cp.rank == 0,  # every rank runs the rows: rank 0 counts their own keys
+            True,
+            access.query_positions,
             scaling,
             visibility,
             access.attention_chunk_size,
             softcap,
             KeyBlock(access.own_positions(own_keys.shape[1]), shared=False, picked=own_picked),
-            on_backward,
         )
         return ContextParallelAttention.apply(query, sinks, own_keys, own_values, call, page_blocks, *page_tensors)
 
-    def announce_backward(self, layer_idx: int, d_out: torch.Tensor) -> None:
-        Announcement(Phase.BACKWARD, layer_idx).send(self.cp)
-        self.cp.broadcast(d_out, self.cp.rank, kind="recompute")
+    def rows_lengths(self, access) -> list[int]:
+        """Every rank's row width in this scoring or replay forward (each rank runs its own members), by rank: read
+        once per forward, at its first collective."""
+        if access.rows_lengths is None:
+            mine = torch.tensor([access.query_positions.numel()], dtype=torch.int64)
+            access.rows_lengths = [int(n) for n in self.cp.all_gather(mine, "rows")]
+        return access.rows_lengths
 
-    def end_of_shard(self) -> None:
-        Announcement(Phase.END_OF_SHARD).send(self.cp)
-
-    # -- serving another rank's capture or recompute ------------------------------------------------------------------
-    def serve(self, owner: int, chunk_size: int, device: torch.device) -> None:
-        """Run the other side of `owner`'s capture (or recompute) until it announces the end of its shard. A serving
-        rank holds at most one chunk of the owner's queries (and their merged output) per attention layer."""
-        kept: dict[int, ServedCall] = {}
-        while True:
-            announcement = Announcement.receive(self.cp, owner)
-            if announcement.phase == Phase.END_OF_SHARD:
-                return
-            if announcement.phase == Phase.INDEXER:
-                self.serve_indexer(announcement.layer_idx, owner, announcement.top_k, chunk_size, device)
-                continue
-            layer = self.of_layer(announcement.layer_idx, "attention")
-            if announcement.phase == Phase.BACKWARD:
-                served = kept.pop(announcement.layer_idx)
-                d_out = self.cp.broadcast(torch.empty_like(served.out), owner, kind="recompute")
-                self.serve_backward(layer, served, d_out, owner, chunk_size)
-                continue
-            query = torch.empty(announcement.query_shape, dtype=announcement.dtype, device=device)
-            query = self.cp.broadcast(query, owner, kind="capture")
-            first, tokens = announcement.first_position, announcement.query_shape[2]
-            positions = torch.arange(first, first + tokens)
-            selection = self.selection if announcement.selects else None
-            served = ServedCall(announcement, query, positions, selection)
-            self.serve_forward(layer, served, owner, chunk_size)
-            if announcement.phase == Phase.RECOMPUTE:
-                kept[announcement.layer_idx] = served
-
-    def _served_blocks(self, layer: LayerState, served: ServedCall, owner: int):
-        if self.cp.rank > owner:  # this shard lies after the owner's queries: nothing it may see
-            return (), ()
-        return layer.page_block(served.query.dtype, indices=served.selection)
-
-    @torch.no_grad()
-    def serve_forward(self, layer: LayerState, served: ServedCall, owner: int, chunk_size: int) -> None:
-        """Another rank's chunk: this rank's partial of its queries over `layer`'s pages, merged on every rank."""
-        call = served.announcement
-        blocks, tensors = self._served_blocks(layer, served, owner)
-        start = time.perf_counter()
-        out, lse = partial_attention(
-            served.query,
-            served.positions,
-            call.scaling,
-            layer.visibility(call.sliding_window),
-            chunk_size,
-            call.softcap,
-            blocks,
-            tensors,
-            call.value_dim,
-            None,
-        )
-        SERVED["seconds"] += time.perf_counter() - start
-        SERVED["query_key_pairs"] += served.query.shape[2] * (tensors[0].shape[1] if tensors else 0)
-        served.out, served.lse = merge_across(out, lse, self.cp)
-
-    @torch.no_grad()
-    def serve_backward(
-        self, layer: LayerState, served: ServedCall, d_out: torch.Tensor, owner: int, chunk_size: int
-    ) -> None:
-        """Another rank's recompute backward: `layer`'s pages get their gradients (accumulated on the state leaves,
-        before this rank recomputes them), and this rank's share of dq goes into the owner's sum."""
-        call = served.announcement
-        blocks, tensors = self._served_blocks(layer, served, owner)
-        d_q = torch.zeros(served.query.shape, dtype=served.out.dtype, device=served.query.device)
-        if blocks:
-            d_q, (d_keys, d_values) = blocks_backward(
-                d_out,
-                served.query,
-                served.positions,
-                served.out,
-                served.lse,
-                call.scaling,
-                layer.visibility(call.sliding_window),
-                chunk_size,
-                call.softcap,
-                blocks,
-                tensors,
-                (True, True, True),
+    def _rows_attention(
+        self, access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
+    ):
+        if query.shape[0] != 1:
+            raise ContextParallelError(
+                "Under context parallelism each rank scores and replays its own members, one at a time: a batch of "
+                f"{query.shape[0]} rows reached the attention."
             )
-            layer.accumulate_page_gradients(d_keys, d_values)
-        pieces = [d_q]
-        if call.has_sinks:
-            pieces.append(torch.zeros(served.query.shape[1], dtype=d_q.dtype, device=d_q.device))
-        self.cp.all_reduce(pack(pieces), kind="backward")
+        first = self.start_position + self.num_tokens
+        positions = tuple(torch.arange(first, first + n) for n in self.rows_lengths(access))
+        selections = None if indices is None else tuple(self.step_selections)
+        page_blocks, page_tensors = layer.page_block(query.dtype)
+        if selections is not None:
+            page_blocks = tuple(layer.page_block(query.dtype, None, selection)[0] for selection in selections)
+        else:
+            page_blocks = (page_blocks,) * self.cp.size
+        call = StepCall(
+            self.cp,
+            None,
+            positions,
+            page_blocks,
+            selections,
+            scaling,
+            visibility,
+            access.attention_chunk_size,
+            softcap,
+            "rows",
+            self.num_tokens,
+        )
+        return StepAttention.apply(query, sinks, own_keys, own_values, call, *page_tensors)
+
+    def _step_attention(
+        self, access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
+    ):
+        chunks = self._step_chunks(access)
+        starts = tuple(self.layout.bounds[chunk][0] for chunk in chunks)
+        limit = self.local_prefix(min(starts))  # the pages of earlier steps
+        selections = None if indices is None else tuple(self.step_selections)
+        page_blocks, page_tensors = layer.page_block(query.dtype, limit)
+        if selections is not None:  # each rank's queries pick their own pages
+            page_blocks = tuple(layer.page_block(query.dtype, limit, selection)[0] for selection in selections)
+        else:
+            page_blocks = (page_blocks,) * self.cp.size
+        call = StepCall(
+            self.cp,
+            starts,
+            tuple(self.chunk_positions(chunk) for chunk in chunks),
+            page_blocks,
+            selections,
+            scaling,
+            visibility,
+            access.attention_chunk_size,
+            softcap,
+            access.mode,
+        )
+        return StepAttention.apply(query, sinks, own_keys, own_values, call, *page_tensors)
 
     # -- DSA: the top-k over every rank's indexer keys (state/dsa.py selects within a rank) ------------------------
     def own_keys(self, access, own_index: torch.Tensor) -> torch.Tensor:
-        if access.mode in ("read", "decode") and self.cp.rank != 0:  # every rank runs the rows: rank 0 counts them
+        if access.mode == "decode" and self.cp.rank != 0:  # every rank decodes the rows: rank 0 counts them
             return torch.full_like(own_index, -1)
         return own_index
 
+    def _selection_calls(self, access) -> list[tuple[int, int, int]]:
+        """Each rank's `(tokens, k, keys before them held here)` of the indexer call in flight (a step's chunks, or
+        each rank's rows after the prompt)."""
+        if access.mode == "read":
+            return [(n, self.num_tokens + n, self.geometry.num_tokens) for n in self.rows_lengths(access)]
+        calls = []
+        for chunk in self._step_chunks(access):
+            start, end = self.layout.bounds[chunk]
+            calls.append((end - start, end, self.local_prefix(start)))
+        return calls
+
     def before_selection(self, module, access, call: dict, k: int) -> None:
-        if access.mode in ("capture", "recompute"):  # an owned chunk: the serving ranks score their keys too
-            Announcement(Phase.INDEXER, module.layer_idx, top_k=k).send(self.cp)
-            for tensor in (call["hidden_states"], call["q_resid"], *call["position_embeddings"]):
-                self.cp.broadcast_tensor(tensor.contiguous(), self.cp.rank, kind="capture")
+        """A step's (or the rows') indexer call: every rank's inputs of it, each rank scoring its keys for all."""
+        if access.mode == "decode":
+            return
+        lengths = [tokens for tokens, _, _ in self._selection_calls(access)]
+        inputs = (call["hidden_states"], call["q_resid"], *call["position_embeddings"])
+        gathered = [gather_step(self.cp, tensor.detach(), lengths, 1, "indexer") for tensor in inputs]
+        self._step_calls = [
+            {"hidden_states": hidden, "q_resid": q_resid, "position_embeddings": (cos, sin)}
+            for hidden, q_resid, cos, sin in zip(*gathered, strict=True)
+        ]
 
-    def finish_selection(self, candidates, k: int):
-        values, indices = merge_topk(candidates, candidates[0], k, self.cp)
-        self.selection = indices
-        return values, indices
+    @torch.no_grad()
+    def finish_selection(self, access, layer: LayerState, candidates, k: int):
+        """Decoding (every rank decodes the same rows): every rank's candidates merged on every rank. Otherwise this
+        rank's candidates for every rank's queries over the keys it holds before them (its own queries':
+        `candidates`), sent to the queries' ranks (all-to-all), whose top-k of them all is their selection; the
+        selections are all-gathered for the attention that applies them."""
+        if access.mode == "decode":
+            return merge_topk(candidates, candidates[0], k, self.cp)
+        calls = self._selection_calls(access)
+        tops = [min(layer.mixer.index_topk, end) for _, end, _ in calls]  # the k of each rank's call
+        width, tokens = max(tops), max(count for count, _, _ in calls)
+        sent = []
+        for rank, (_, _, limit) in enumerate(calls):
+            best = candidates
+            if rank != self.cp.rank:
+                call = self._step_calls[rank]
+                best = layer.prompt_candidates(call, None, tops[rank], limit, access.attention_chunk_size)
+            slots = torch.full((1, tokens, width, 2), -1.0, dtype=torch.float64, device=candidates[0].device)
+            slots[..., 0] = float("-inf")
+            if best is not None:  # scores and key indices side by side (indices are exact in float64)
+                values, indices = best
+                slots[:, : values.shape[1], : values.shape[2], 0] = values
+                slots[:, : values.shape[1], : values.shape[2], 1] = indices.to(torch.float64)
+            sent.append(slots)
+        self._step_calls = None
+        lengths = [count for count, _, _ in calls]
+        received = torch.cat(exchange(self.cp, sent, 1, lengths[self.cp.rank], "indexer"), dim=2)
+        values, best = received[..., 0].topk(tops[self.cp.rank], dim=-1)
+        indices = received[..., 1].gather(-1, best).long()
+        padded = torch.cat([indices, indices.new_full((*indices.shape[:2], width - indices.shape[2]), -1)], dim=2)
+        gathered = gather_step(self.cp, padded, lengths, 1, "indexer")
+        self.step_selections = [selection[..., :top] for selection, top in zip(gathered, tops, strict=True)]
+        return values.to(candidates[0].dtype), indices
 
-    def serve_indexer(self, layer_idx: int, owner: int, k: int, chunk_size: int, device: torch.device) -> None:
-        """Another rank's indexer call: the model's indexer over this rank's keys before the owner's chunk (all of an
-        earlier shard's, none of a later one's), block by block, merged into the top-k on every rank."""
-        hidden, q_resid, cos, sin = (
-            self.cp.broadcast_tensor(None, owner, kind="capture").to(device) for _ in range(4)
-        )
-        layer = self.of_layer(layer_idx, "indexer")
-        call = {"hidden_states": hidden, "q_resid": q_resid, "position_embeddings": (cos, sin)}
-        limit = self.local_prefix(self.num_tokens) if self.cp.rank < owner else 0
-        candidates = layer.prompt_candidates(call, None, k, limit, chunk_size, self.shard[0])
-        self.selection = merge_topk(candidates, hidden, k, self.cp)[1]
+    # -- recurrent kinds: chunk states handed from the holder of a chunk to the holder of the next -----------------
+    def entry_before(self, step: int) -> int:
+        """Exact mode: the index in a kind's chunk states of this rank's chunk of `step`'s starting states (-1: the
+        prompt's first chunk starts from none)."""
+        return 2 * step - int(self.layout.owner(0) == self.cp.rank)
 
-    # -- recurrent kinds: the sequential hand-off of their chunk states -----------------------------------------------
-    def chunk_states(self) -> list[list[torch.Tensor]]:
-        """Every layer's chunk states (`LayerState.chunk_states`), in layer order: what the shards hand on."""
-        return [states for layer in self.layers for states in layer.chunk_states()]
+    def entry_after(self, step: int) -> int:
+        return self.entry_before(step) + 1
 
-    def last_own_entry(self, chunks: int) -> int:
-        return chunks - 1 + self.chunk_offset
+    def starting_chunk_states(self, access, layer: LayerState) -> None:
+        """Capture: before `layer` first reads its states in a chunk, the previous chunk's final states (received
+        from its holder, or this rank's own) become the chunk's starting states."""
+        chunk = self.layout.chunk_at(access.prefix_length)
+        if self._started.get(id(layer)) == chunk:
+            return
+        self._started[id(layer)] = chunk
+        if chunk == 0:
+            return
+        source = self.layout.owner(chunk - 1)
+        for states in layer.chunk_states():
+            if source != self.cp.rank:  # they arrive where the backend communicates (gloo: the host)
+                layer.keep_chunk_state(states, self.geometry.placement.store(self.cp.receive(source).to(layer.device)))
+            elif self.exact:  # exact mode keeps every chunk's starting states, as its own leaves
+                states.append(states[-1].clone())
 
-    def send_recurrent(self, destination: int) -> None:
-        for states in self.chunk_states():
-            self.cp.send(states[-1], destination)
+    def recorded_chunk_state(self, access, layer: LayerState) -> None:
+        """A capture: once `layer` recorded all its final states of a chunk, they go to the next chunk's holder. A
+        recompute: each recorded final state passes through `ReceivedGradient`, which adds, in the backward, the
+        gradient the next chunk's holder computed for its starting state. Recorded here, inside the forward, the
+        function sits in the graph between the layer and the next, so the backward receives it as it reaches the
+        layer (a wavefront: that rank back-propagates through the layer first), not before."""
+        chunk = self.layout.chunk_at(access.prefix_length)
+        after = chunk + 1 < len(self.layout.bounds) and self.layout.owner(chunk + 1) != self.cp.rank
+        if access.mode == "recompute":
+            if after:
+                self._receive_gradients(access, layer, self.layout.owner(chunk + 1))
+            return
+        key = (id(layer), chunk)
+        self._recorded[key] += 1
+        chunk_states = layer.chunk_states()
+        if self._recorded[key] < len(chunk_states):
+            return
+        del self._recorded[key]
+        if after:
+            for states in chunk_states:
+                self._sending += self.cp.send_async(states[-1], self.layout.owner(chunk + 1))
 
-    def receive_recurrent(self, source: int) -> None:
-        """Start this shard's chunk states from the previous shard's final states (as a capture chunk would)."""
-        for layer in self.layers:  # they arrive where the backend communicates (gloo: the host)
-            for states in layer.chunk_states():
-                states.append(self.geometry.placement.store(self.cp.receive(source).to(layer.device)))
-        self.chunk_offset = 1
+    def _receive_gradients(self, access, layer: LayerState, source: int) -> None:
+        """Wrap what `layer` recorded so far in this recompute (in `chunk_states()` order: a list, or the tensor of a
+        kind with one) that is not wrapped yet."""
+        recorded = access.recorded.get(layer)
+        single = isinstance(recorded, torch.Tensor)
+        values = [recorded] if single else list(recorded)
+        first = self._chunk_state_tags[id(layer)]
+        for slot, value in enumerate(values):
+            if value is not None and id(value) not in self._wrapped:
+                values[slot] = ReceivedGradient.apply(value, self.cp, source, first + slot)
+                self._wrapped.add(id(values[slot]))
+        access.recorded[layer] = values[0] if single else values
 
-    def share_final_recurrent(self) -> None:
-        """Every rank replays from the whole prompt's chunk states: the last shard's, broadcast (fixed size). Detach
-        mode replaces this rank's own final state with it; exact mode keeps this rank's entries (the recompute reads
-        them) and appends it."""
-        last = self.cp.size - 1
+    def finish_capture(self) -> None:
+        """The hand-offs sent; every rank replays from the whole prompt's chunk states: those of the last chunk's
+        holder, broadcast (fixed size). Detach mode replaces this rank's own final state with them; exact mode keeps
+        this rank's entries (the recompute reads them) and appends them."""
+        for request, *_ in self._sending:
+            request.wait()
+        self._sending = []
+        last = self.layout.owner(len(self.layout.bounds) - 1)
         for states in self.chunk_states():
             final = self.cp.broadcast(states[-1].clone(), last, kind="recurrent")
             if self.cp.rank == last:
@@ -317,15 +351,65 @@ class ShardedPromptState(PromptState):
             else:
                 states[-1] = final
 
-    def send_recurrent_gradients(self, destination: int) -> None:
-        """Exact mode: the gradient on this shard's starting states belongs to the previous shard's final states."""
-        for states in self.chunk_states():
-            start = states[0]
-            self.cp.send(torch.zeros_like(start) if start.grad is None else start.grad, destination)
+    def chunk_states(self) -> list[list[torch.Tensor]]:
+        """Every layer's chunk states (`LayerState.chunk_states`), in layer order."""
+        return [states for layer in self.layers for states in layer.chunk_states()]
 
-    def receive_recurrent_gradients(self, source: int, chunks: int) -> None:
-        entry = self.last_own_entry(chunks)
+    def sum_final_state_gradients(self) -> None:
+        """Exact mode, before the recompute: each rank's replays put their members' gradient on its copy of the whole
+        prompt's final chunk states; the last chunk's holder recomputes them with all of it (summed)."""
+        last = self.layout.owner(len(self.layout.bounds) - 1)
         for states in self.chunk_states():
-            final = states[entry]
-            grad = self.cp.receive(source).to(final.device, final.dtype)
-            final.grad = grad if final.grad is None else final.grad + grad
+            final = states[-1]
+            grad = torch.zeros_like(final) if final.grad is None else final.grad
+            total = self.cp.all_reduce(grad.clone(), kind="recurrent")
+            if self.cp.rank == last:
+                final.grad = total
+
+    def before_recompute(self, step: int) -> None:
+        """Exact mode, before this rank recomputes its chunk of `step`: its final chunk states get a gradient (the
+        next chunk's starting states', where this rank holds that chunk too), so that every rank's recompute
+        back-propagates through every recurrent layer (the next chunk's holder's share arrives during the backward:
+        `recorded_chunk_state`); and its starting states hand their gradient on as soon as it is accumulated."""
+        chunk = self.layout.chunk_of(self.cp.rank, step)
+        local_next = chunk + 1 < len(self.layout.bounds) and self.layout.owner(chunk + 1) == self.cp.rank
+        self._hooks = []
+        for index, states in enumerate(self.chunk_states()):
+            final = states[self.entry_after(step)]
+            if final.grad is None:
+                final.grad = torch.zeros_like(final)
+            if local_next and (handed := states[self.entry_after(step) + 1].grad) is not None:
+                final.grad += handed
+            if chunk > 0 and (target := self.layout.owner(chunk - 1)) != self.cp.rank:
+                start = states[self.entry_before(step)]
+                send = functools.partial(self._send_gradient, target=target, tag=index)
+                self._hooks.append(start.register_post_accumulate_grad_hook(send))
+
+    def _send_gradient(self, leaf: torch.Tensor, target: int, tag: int) -> None:
+        self._sending += self.cp.send_tagged(leaf.grad.detach().clone(), target, tag)
+
+    recompute_in_lockstep = True
+
+    def after_recompute(self) -> None:
+        self._wrapped.clear()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        for request, *_ in self._sending:
+            request.wait()
+        self._sending = []
+
+
+class ReceivedGradient(torch.autograd.Function):
+    """The identity, whose backward adds the gradient another rank sends (tagged `tag`): a final chunk state's share
+    of the next chunk's starting-state gradient."""
+
+    @staticmethod
+    def forward(ctx, value, cp, source, tag):
+        ctx.cp, ctx.source, ctx.tag = cp, source, tag
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        received = ctx.cp.receive_tagged(torch.empty_like(grad), ctx.source, ctx.tag)
+        return grad + received, None, None, None

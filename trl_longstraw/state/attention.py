@@ -90,7 +90,7 @@ class AttentionPages(LayerState):
         if layer_type == "chunked_attention":
             self.chunk_size = getattr(mixer.config, "attention_chunk_size", None)
         self.rolling = None  # decided at the first capture call, from the call's sliding_window
-        self.start_position = prompt.start_position  # absolute position of page entry 0 (moves as a window rolls)
+        self.first_entry = 0  # index among the entries held here of page entry 0 (moves as a window rolls)
         self.key: Pages | None = None
         self.value: Pages | None = None
 
@@ -127,7 +127,7 @@ class AttentionPages(LayerState):
         limit = self.length if limit is None else limit
         if limit == 0:
             return (), ()
-        positions = torch.arange(self.start_position, self.start_position + limit)
+        positions = self.prompt.positions(self.first_entry, self.first_entry + limit)
         dequantize = self._dequantizer(dtype) if self.key.fp8 else None
         block = KeyBlock(positions, shared=True, dequantize=dequantize)
         return (block,), (self.key.read(limit), self.value.read(limit))
@@ -154,13 +154,15 @@ class AttentionPages(LayerState):
 
     def _keep_from(self, visibility: Visibility, appended: int) -> int:
         """Index (after appending `appended` entries) of the first entry a later token can still read."""
-        next_position = self.start_position + self.length + appended
+        end = self.first_entry + self.length + appended
+        origin = self.prompt.origin
+        next_position = origin + self.prompt.next_query(int(self.prompt.global_indices(end - 1, end)[0]) + 1)
         first_needed = next_position - (visibility.sliding_window - 1) if visibility.sliding_window else None
         if visibility.chunk_size is not None:
-            origin, size = visibility.chunk_origin, visibility.chunk_size
-            chunk_start = origin + (next_position - origin) // size * size
+            chunk_origin, size = visibility.chunk_origin, visibility.chunk_size
+            chunk_start = chunk_origin + (next_position - chunk_origin) // size * size
             first_needed = chunk_start if first_needed is None else max(first_needed, chunk_start)
-        return max(0, first_needed - self.start_position)
+        return max(0, self.prompt.held_before(max(0, first_needed - origin)) - self.first_entry)
 
     @torch.no_grad()
     def _append(self, key: torch.Tensor, value: torch.Tensor, visibility: Visibility) -> None:
@@ -172,7 +174,7 @@ class AttentionPages(LayerState):
             self.value = Pages(self.prompt.placement, capacity, fp8=fp8)
         keep_from = self._keep_from(visibility, key.shape[1]) if self.rolling else 0
         self.key.append(key, keep_from)
-        self.start_position += self.value.append(value, keep_from)
+        self.first_entry += self.value.append(value, keep_from)
 
     def recompute_pairs(self, recorded, chunk_index, start, end):
         pairs = []

@@ -184,14 +184,13 @@ class IndexerKeys(LayerState):
         `own_index`; `-1`: not counted here), finished by the state (`PromptState.finish_selection`)."""
         own_scores = own_scores.masked_fill(own_index < 0, float("-inf"))
         values, picked = own_scores.topk(min(k, own_scores.shape[-1]), dim=-1)
-        first = self.prompt.offset  # global index of this process's page 0
         limit = access.state.local_prefix(access.prefix_length)
-        best = self.prompt_candidates(call, (values, own_index[picked]), k, limit, access.attention_chunk_size, first)
-        return access.state.finish_selection(best, k)
+        best = self.prompt_candidates(call, (values, own_index[picked]), k, limit, access.attention_chunk_size)
+        return access.state.finish_selection(access, self, best, k)
 
-    def prompt_candidates(self, call: dict, best, k: int, limit: int, block: int, first: int):
-        """`best` (or nothing) merged with the top-`k` candidates of the first `limit` pages (global key indices from
-        `first`) for the queries of indexer `call`.
+    def prompt_candidates(self, call: dict, best, k: int, limit: int, block: int):
+        """`best` (or nothing) merged with the top-`k` candidates (as global key indices) of the first `limit` pages
+        for the queries of indexer `call`.
 
         The indexer is called over blocks of query rows x blocks of keys whose scores never outnumber those of all
         the call's rows against `block` keys (the `[tokens, index_heads, block]` bound), with the keys as wide as
@@ -211,7 +210,7 @@ class IndexerKeys(LayerState):
         for start in range(0, limit, keys_per_call):
             end = min(start + keys_per_call, limit)
             keys = self.prompt.placement.stage(self.keys.read(end)[:, start:end], hidden.device)
-            key_index = torch.arange(first + start, first + end, device=hidden.device)
+            key_index = self.prompt.global_indices(start, end).to(hidden.device)
             for i, (a, b) in enumerate(row_blocks):
                 candidates = block_candidates(self.mixer, _rows_of(call, a, b), keys, key_index, k)
                 bests[i] = merge_candidates(bests[i], candidates, k)

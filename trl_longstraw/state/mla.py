@@ -112,8 +112,8 @@ class LatentPages(LayerState):
         limit = self.pages.length if limit is None else limit
         if limit == 0:
             return (), ()
-        positions = torch.arange(self.prompt.start_position, self.prompt.start_position + limit)
-        picked = None if indices is None else indices.long() - self.prompt.offset  # global -> this process's pages
+        positions = self.prompt.positions(0, limit)
+        picked = None if indices is None else self.prompt.local_indices(indices.long())  # global -> the pages here
         block = KeyBlock(positions, shared=True, picked=picked, dequantize=self.dequantizer(dtype))
         data = self.pages.read(limit)
         return (block,), (data, data[..., : self.mixer.kv_lora_rank])  # the values are the latents' first columns

@@ -19,6 +19,7 @@ from .registry import LayerPlan, LayerState, PromptGeometry, UnsupportedModelErr
 from .suffix import Suffix
 
 if TYPE_CHECKING:
+    from ..context_parallel.sharding import ShardLayout
     from ..load_balancing import RouterLoad
 
 
@@ -53,13 +54,17 @@ class PromptState:
         exact: bool,
         fp8_pages: bool = False,
         prompt_start: int | None = None,
+        layout: ShardLayout | None = None,
+        rank: int = 0,
     ):
         if exact and fp8_pages:
             raise ValueError(
                 "fp8 prompt-state pages with the exact prompt gradient: the state's gradient is accumulated on its "
                 "tensors, which fp8 cannot hold. Use prompt_state_dtype='auto' with prompt_gradient='exact'."
             )
-        self.geometry = PromptGeometry(num_tokens, start_position, Placement(device), exact, fp8_pages, prompt_start)
+        self.geometry = PromptGeometry(
+            num_tokens, start_position, Placement(device), exact, fp8_pages, prompt_start, layout, rank
+        )
         self.weights_version = weights_version
         self.layers: list[LayerState] = [
             kind(mixer, plan.layer_idx, plan.layer_type, self.geometry) for plan in plans for kind, mixer in plan.kinds
@@ -88,9 +93,21 @@ class PromptState:
         return self.geometry.exact
 
     def local_prefix(self, prefix_length: int) -> int:
-        """How many of the first `prefix_length` captured tokens this process holds (all of them; a shard under
-        context parallelism holds its own)."""
-        return prefix_length
+        """How many of the first `prefix_length` captured tokens this process holds (all of them; a rank under
+        context parallelism holds its chunks)."""
+        return self.geometry.held_before(prefix_length)
+
+    # -- recurrent kinds: the states a capture chunk starts from and ends with -------------------------------------
+    def starting_chunk_states(self, access: StateAccess, layer: LayerState) -> None:
+        """Called as `layer` first reads its chunk states in a capture chunk (context parallelism brings the previous
+        chunk's final states from the rank that captured it; here they are already the last entries)."""
+
+    def recorded_chunk_state(self, access: StateAccess, layer: LayerState) -> None:
+        """Called as `layer` records one of its chunk states in a capture or recompute forward (context parallelism
+        hands a capture's to the next chunk's rank, and routes that rank's gradient into a recompute's)."""
+
+    # Whether the processes sharing this state run each recompute's backward together (its collectives in step).
+    recompute_in_lockstep = False
 
     # -- DSA: the indexer's top-k over the prompt's keys (state/dsa.py) ---------------------------------------------
     def own_keys(self, access: StateAccess, own_index: torch.Tensor) -> torch.Tensor:
@@ -100,8 +117,11 @@ class PromptState:
     def before_selection(self, module, access: StateAccess, call: dict, k: int) -> None:
         """Called as an indexer call starts, before the model scores anything (context parallelism announces it)."""
 
-    def finish_selection(self, candidates: tuple[torch.Tensor, torch.Tensor], k: int):
-        """This process's top-k candidates `(scores, global key indices)` become the selection (here: as they are)."""
+    def finish_selection(
+        self, access: StateAccess, layer: LayerState, candidates: tuple[torch.Tensor, torch.Tensor], k: int
+    ):
+        """This process's top-k candidates `(scores, global key indices)` for `layer`'s indexer call become the
+        selection (here: as they are)."""
         return candidates
 
     def for_mixer(self, module: torch.nn.Module) -> LayerState:
@@ -234,6 +254,7 @@ class StateAccess(Cache):
         self.recorded: dict[LayerState, object] = {}
         self.cache_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.visited: set[int] = set()  # capture: the mixers this forward has run
+        self.rows_lengths: list[int] | None = None  # context parallelism: every rank's row width in this forward
 
     def own_entries(
         self, owner: LayerState, name: str, values: torch.Tensor, dim: int, window: int | None = None
@@ -314,16 +335,32 @@ class StateAccess(Cache):
         return True
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return self.state.of_layer(layer_idx, "conv").conv_state(self)
+        return self._chunk_states_of(layer_idx, "conv").conv_state(self)
 
     def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, conv_kernel_size=None, **kwargs):
-        return self.state.of_layer(layer_idx, "conv").continue_conv(self, conv_states, conv_kernel_size)
+        layer = self._chunk_states_of(layer_idx, "conv")
+        continued = layer.continue_conv(self, conv_states, conv_kernel_size)
+        self._recorded_chunk_state(layer)
+        return continued
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
-        return self.state.of_layer(layer_idx, "recurrent").recurrent_state(self, self.forward_batch_size)
+        return self._chunk_states_of(layer_idx, "recurrent").recurrent_state(self, self.forward_batch_size)
 
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
-        layer = self.state.of_layer(layer_idx, "recurrent")
+        layer = self._chunk_states_of(layer_idx, "recurrent")
         self.visit(layer.mixer)
         layer.finish_recurrent(self, recurrent_states)
+        self._recorded_chunk_state(layer)
         return recurrent_states
+
+    def _chunk_states_of(self, layer_idx: int, role: str) -> LayerState:
+        """The layer's state for a conv or recurrent call; in a capture, its chunk's starting states in place first
+        (`PromptState.starting_chunk_states`)."""
+        layer = self.state.of_layer(layer_idx, role)
+        if self.mode == "capture":
+            self.state.starting_chunk_states(self, layer)
+        return layer
+
+    def _recorded_chunk_state(self, layer: LayerState) -> None:
+        if self.mode in ("capture", "recompute"):
+            self.state.recorded_chunk_state(self, layer)

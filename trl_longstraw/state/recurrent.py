@@ -104,11 +104,7 @@ class ConvRecurrentState(LayerState):
         if access.mode == "recompute":
             access.recorded.setdefault(self, [None, None])[slot] = value
             return
-        value = self.prompt.placement.store(value)
-        if self.prompt.exact or not states:
-            states.append(value)
-        else:
-            states[-1] = value
+        self.keep_chunk_state(states, self.prompt.placement.store(value))
 
     def recompute_pairs(self, recorded, chunk_index, start, end):
         pairs = []

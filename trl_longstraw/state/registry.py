@@ -23,13 +23,16 @@ import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from .placement import FP8_PAGE_TOKENS, Placement
+
+if TYPE_CHECKING:
+    from ..context_parallel.sharding import ShardLayout
 
 
 class UnsupportedModelError(ValueError):
@@ -177,6 +180,14 @@ class LayerState(abc.ABC):
         shard's last. None for a kind whose later tokens read per-token entries (pages) instead."""
         return []
 
+    def keep_chunk_state(self, states: list[torch.Tensor], value: torch.Tensor) -> None:
+        """Keep `value` as the newest entry of one of `chunk_states()`'s lists: appended in exact mode (the recompute
+        starts each chunk from its boundary), else in place of the last (only the final state is read)."""
+        if self.prompt.exact or not states:
+            states.append(value)
+        else:
+            states[-1] = value
+
     # -- role "attention": reached through the registered attention function ---------------------------------------
     def attend(self, access, query, key, value, scaling: float, **features) -> torch.Tensor:
         """Attention of this forward's tokens over the prompt state and over themselves, as one softmax, keeping this
@@ -267,27 +278,51 @@ DECLARED_ATTRIBUTES = ("name", "layer_types", "roles", "sharded_layer_types")
 class PromptGeometry:
     """What every layer state of one capture shares: the captured tokens, where they sit, where the state lives.
 
-    Under context parallelism a rank's geometry is its shard's: `num_tokens` and `start_position` are the shard's,
-    `prompt_start` the whole prompt's first position (a chunked layer counts its chunks from there, a DSA selection
-    indexes keys from there).
+    Under context parallelism a rank holds some chunks of the prompt (`layout`, `rank`): `num_tokens` counts the
+    tokens held here, `start_position` is the first one's position and `prompt_start` the whole prompt's first
+    position (a chunked layer counts its chunks from there, a DSA selection indexes keys from there). A kind reads its
+    entries' positions and indices through the methods below, never by arithmetic of its own: a rank's entries are not
+    contiguous in the prompt.
     """
 
-    num_tokens: int  # captured prompt tokens held here (all but the last prompt token; a shard's under CP)
-    start_position: int  # absolute position of the first token held here (the first real prompt token, or a shard's)
+    num_tokens: int  # captured prompt tokens held here (all but the last prompt token; a rank's chunks under CP)
+    start_position: int  # absolute position of the first token held here
     placement: Placement
     exact: bool  # the exact prompt gradient needs every entry and every chunk boundary
     fp8_pages: bool = False  # per-token pages in float8_e4m3fn with per-(page, head) scales (detach mode only)
     prompt_start: int | None = None  # absolute position of the whole prompt's first captured token (None: ours)
+    layout: ShardLayout | None = None  # context parallelism: the whole prompt's chunks and the rank holding each
+    rank: int = 0  # this process's rank in `layout`
 
     @property
     def origin(self) -> int:
         """Absolute position of the whole captured prompt's first token."""
         return self.start_position if self.prompt_start is None else self.prompt_start
 
-    @property
-    def offset(self) -> int:
-        """Index of the first token held here among the whole prompt's captured tokens (0 but for a CP shard)."""
-        return self.start_position - self.origin
+    def global_indices(self, first: int, end: int) -> torch.Tensor:
+        """Indices among the whole prompt's captured tokens of the entries `first .. end - 1` held here (host)."""
+        if self.layout is None:
+            return torch.arange(first, end)
+        return self.layout.global_indices(self.rank, first, end)
+
+    def positions(self, first: int, end: int) -> torch.Tensor:
+        """Absolute positions of the entries `first .. end - 1` held here (host)."""
+        return self.origin + self.global_indices(first, end)
+
+    def local_indices(self, indices: torch.Tensor) -> torch.Tensor:
+        """Captured-token `indices` as indices of the entries held here; -1 (or out of range) where not held here."""
+        if self.layout is None:
+            return indices
+        return self.layout.local_indices(self.rank, indices)
+
+    def held_before(self, index: int) -> int:
+        """How many of the captured tokens before index `index` are held here."""
+        return index if self.layout is None else self.layout.held_before(self.rank, index)
+
+    def next_query(self, end: int) -> int:
+        """The first captured-token index a query may have once the tokens before `end` are captured: what a sliding
+        window must still keep entries for (under CP, the start of the next capture step)."""
+        return end if self.layout is None else self.layout.next_query(end)
 
 
 STATE_KINDS: dict[str, type[LayerState]] = {}
