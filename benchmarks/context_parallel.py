@@ -1,19 +1,25 @@
-"""Context parallelism on CPU: per-rank peak memory and time of one group's update for cp = 1, 2, ..., and the
-communication per replayed token, as a formula checked against the collectives' own counter.
+"""Context parallelism on CPU: per-rank time and peak memory of one group's update for cp = 1, 2, ..., and the
+communication per prompt token and per replayed token, as formulas checked against the collectives' own counter.
 
     PYTHONPATH=. .venv/bin/python benchmarks/context_parallel.py --model-preset dense-tiny --prompt-length 8192 \
-        --members 4 --completion-length 64 --cps 1,2 --out benchmarks/results/context-parallel
+        --members 4 --completion-length 64 --cps 1,2 --rounds 3 --out benchmarks/results/context-parallel/dense-8192-detach
 
 Each cp runs in `cp` fresh processes (gloo, one thread each): capture the prompt, score the G members, replay each
 under autograd and back-propagate a fixed per-token gradient (the update's shape, without TRL's loss), exact mode
-adding the prompt backward. Per rank: peak RSS above the pre-update baseline (`ru_maxrss`, the kernel's high-water
-mark of this process, against the RSS just before the update), each phase's wall time, the prompt state's bytes.
+adding the prompt backward. Under cp > 1 each rank scores and replays its own members (a stand-in where the last
+round has fewer), as the trainer does. Per rank: each phase's wall time, peak RSS above the pre-update baseline
+(`ru_maxrss` against the RSS just before the update), the prompt state's bytes.
 
-Communication: every replayed token (input width R + 1 per member: the last prompt token starts the replay) at every
-attention layer all-reduces `heads * (dv + 2)` elements in the forward (the max log-sum-exp, then the weighted
-outputs with their weights) and `heads * d + kv_heads * (d + dv)` in the backward (dq and the own keys' and values'
-gradients); scoring has the forward part only. The script counts what went through the replay's collectives
-(`trl_longstraw.context_parallel.COMMUNICATION`) and checks it equals the formula.
+`--rounds N` runs the cps N times, interleaved (cp = 1, 2, 1, 2, ...), and reports each phase's median per rank: on
+a shared machine a single timing can be far off, and interleaving spreads any drift over both.
+
+Communication (`trl_longstraw.context_parallel.COMMUNICATION`, elements each rank sends to the others), per attention
+layer, with `heads` query heads of width `d`, `kv` key heads, value width `dv` (formulas in
+`trl_longstraw/context_parallel/step.py`): a capture step sends `(cp - 1) n (heads d + kv (d + dv) + heads (dv + 1))`
+for chunks of `n` tokens (the step's longest) and, for a recompute step, `(cp - 1) n (2 heads d + 2 kv (d + dv) +
+heads (2 dv + 1))` more in its backward; a replayed or scored token `(cp - 1) heads (d + dv + 1)` forward and
+`(cp - 1) heads (2 d + 2 dv + 1)` backward. The script counts what went through the collectives and checks it equals
+the formulas.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +41,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from presets import PRESETS, build_model, load_config_kwargs
 
+PHASES = ("capture", "score", "replay", "prompt_backward")
+
 
 def rss_gib() -> float:
     with open("/proc/self/statm") as statm:
@@ -44,21 +53,58 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def replay_elements_per_token(config) -> tuple[int, int]:
-    """(forward, backward) elements all-reduced per replayed token, summed over the attention layers."""
+def attention_shape(config) -> tuple[int, int, int, int, list[int]]:
+    """(heads, kv heads, d, dv, the attention layers' indices) of the text config."""
     text = config.get_text_config()
     heads, kv_heads = text.num_attention_heads, text.num_key_value_heads
     dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
-    layers = sum(t == "full_attention" for t in types)
-    return layers * heads * (dim + 2), layers * (heads * dim + kv_heads * 2 * dim)
+    return heads, kv_heads, dim, dim, [i for i, t in enumerate(types) if t in ("full_attention", "sliding_attention")]
+
+
+def step_elements(config, cp: int, tokens: int, backward: bool) -> int:
+    """Elements one rank sends in one capture (or recompute) step of chunks of `tokens` tokens, per attention layer."""
+    heads, kv, d, dv, _ = attention_shape(config)
+    forward = tokens * (heads * d + kv * (d + dv) + heads * (dv + 1))
+    extra = tokens * (heads * d + kv * (d + dv) + heads * (2 * dv + 1) + heads * d + kv * (d + dv))
+    return (cp - 1) * (forward + (extra if backward else 0))
+
+
+def rows_elements(config, cp: int, tokens: int, backward: bool) -> int:
+    """Elements one rank sends for rows of `tokens` tokens (the longest of the round), per attention layer."""
+    heads, _, d, dv, _ = attention_shape(config)
+    forward = tokens * heads * (d + dv + 1)
+    extra = tokens * heads * (d + (2 * dv + 1) + d)
+    return (cp - 1) * (forward + (extra if backward else 0))
+
+
+def formulas(config, layout, cp: int, args) -> dict[str, int]:
+    """What each kind of collective should have counted over the update on every rank."""
+    _, _, _, _, attention_layers = attention_shape(config)
+    layers = config.get_text_config().num_hidden_layers
+    in_capture = [i for i in attention_layers if i != layers - 1]  # the last layer's attention output is unread
+    steps = [
+        max(end - start for start, end in (layout.bounds[c] for c in layout.step_chunks(s)))
+        for s in range(layout.steps)
+    ]
+    width = args.completion_length + 1
+    rounds = -(-args.members // cp)
+    counted = {
+        "capture": sum(step_elements(config, cp, n, False) for n in steps) * len(in_capture),
+        "rows": rounds
+        * len(attention_layers)
+        * (rows_elements(config, cp, width, False) + rows_elements(config, cp, width, True)),
+    }
+    if args.mode == "exact":
+        counted["recompute"] = sum(step_elements(config, cp, n, True) for n in steps) * len(in_capture)
+    return counted
 
 
 def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
     from trl.trainer.utils import add_fused_lm_head
 
-    from trl_longstraw.context_parallel import COMMUNICATION, ContextParallelEngine, ContextParallelGroup
+    from trl_longstraw.context_parallel import COMMUNICATION, ContextParallelEngine, ContextParallelGroup, ShardLayout
     from trl_longstraw.engine import prepare_model
 
     cp = None
@@ -79,7 +125,8 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
         args.prefill_chunk_size, args.attention_chunk_size, prompt_gradient=args.mode, context_parallel=cp
     )
     baseline = rss_gib()
-    times = {}
+    times, elements = {}, {}
+    COMMUNICATION.clear()
     start = time.perf_counter()
     state = engine.capture(model, prompt, first_position=0)
     times["capture"] = time.perf_counter() - start
@@ -89,19 +136,22 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
     with torch.no_grad():
         engine.score(model, state, prompt[-1:], completions, lengths, batch_size=1)
     times["score"] = time.perf_counter() - start
-    COMMUNICATION.clear()
     start = time.perf_counter()
-    for member in range(args.members):
+    for member in engine.members(args.members):
+        if member is None:
+            engine.stand_in(model, state, prompt[-1:], completions[0])
+            continue
         logps, _ = engine.replay(model, state, prompt[-1:], completions[member], args.completion_length)
         logps.backward(upstream[member])
     times["replay"] = time.perf_counter() - start
-    counted = {kind: COMMUNICATION[kind] for kind in ("merge", "backward")}
     if args.mode == "exact":
         start = time.perf_counter()
         engine.backward_prompt(model, state, prompt)
         times["prompt_backward"] = time.perf_counter() - start
-    forward, backward = replay_elements_per_token(config)
-    replayed_tokens = args.members * (args.completion_length + 1)
+    elements = {kind: COMMUNICATION[kind] for kind in ("capture", "rows", "recompute") if COMMUNICATION[kind]}
+    expected = None
+    if size > 1:
+        expected = formulas(config, ShardLayout.of(args.prompt_length - 1, size, args.prefill_chunk_size), size, args)
     record = {
         "cp": size,
         "rank": rank,
@@ -111,56 +161,77 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
         "peak_added_gib": peak_rss_gib() - baseline,
         "times_s": times,
         "step_s": sum(times.values()),
-        "capture_served": served,
-        "replay_elements_counted": counted if size > 1 else None,
-        "replay_elements_formula": {"merge": forward * replayed_tokens, "backward": backward * replayed_tokens}
-        if size > 1
-        else None,
-        "elements_per_replayed_token": {"forward": forward, "backward": backward},
+        "elements": elements,
+        "elements_formula": expected,
     }
     Path(out, f"cp{size}-rank{rank}.json").write_text(json.dumps(record))
     if size > 1:
         dist.destroy_process_group()
 
 
+def median_records(runs: list[list[dict]]) -> list[dict]:
+    """Per (cp, rank): each phase's median over the rounds (memory: the largest)."""
+    merged = []
+    for records in zip(*runs, strict=True):
+        first = dict(records[0])
+        first["times_s"] = {
+            phase: statistics.median(r["times_s"][phase] for r in records) for phase in records[0]["times_s"]
+        }
+        first["step_s"] = statistics.median(r["step_s"] for r in records)
+        first["peak_added_gib"] = max(r["peak_added_gib"] for r in records)
+        first["peak_rss_gib"] = max(r["peak_rss_gib"] for r in records)
+        first["rounds"] = len(records)
+        merged.append(first)
+    return merged
+
+
 def table(records: list[dict], args) -> str:
     title = (
         f"Model preset `{args.model_preset}`, P = {args.prompt_length}, G = {args.members}, R = "
-        f"{args.completion_length}, mode {args.mode}, prefill chunk {args.prefill_chunk_size}, one thread per rank."
+        f"{args.completion_length}, mode {args.mode}, prefill chunk {args.prefill_chunk_size}, one thread per rank, "
+        f"median of {records[0].get('rounds', 1)} interleaved rounds."
     )
     lines = [
         title,
         "",
         (
-            "| cp | rank | tokens held | state GiB | peak RSS GiB | peak added GiB | capture s | score s | replay s | prompt "
-            "backward s | step s |"
+            "| cp | rank | tokens held | state GiB | peak added GiB | capture s | score s | replay s | prompt backward "
+            "s | step s |"
         ),
-        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in records:
         t = r["times_s"]
         lines.append(
-            f"| {r['cp']} | {r['rank']} | {r['held_tokens']} | {r['state_gib']:.4f} | "
-            f"{r['peak_rss_gib']:.3f} | {r['peak_added_gib']:.3f} | {t['capture']:.2f} | {t['score']:.2f} | "
-            f"{t['replay']:.2f} | {t.get('prompt_backward', 0.0):.2f} | {r['step_s']:.2f} |"
+            f"| {r['cp']} | {r['rank']} | {r['held_tokens']} | {r['state_gib']:.4f} | {r['peak_added_gib']:.3f} | "
+            f"{t['capture']:.2f} | {t['score']:.2f} | {t['replay']:.2f} | {t.get('prompt_backward', 0.0):.2f} | "
+            f"{r['step_s']:.2f} |"
         )
+    one = [r for r in records if r["cp"] == 1]
+    if one:
+        lines.append("")
+        for size in sorted({r["cp"] for r in records if r["cp"] > 1}):
+            slowest = max((r for r in records if r["cp"] == size), key=lambda r: r["step_s"])
+            ratios = ", ".join(
+                f"{phase} {slowest['times_s'][phase] / one[0]['times_s'][phase]:.2f}x"
+                for phase in PHASES
+                if phase in one[0]["times_s"] and one[0]["times_s"][phase] > 0
+            )
+            lines.append(
+                f"cp = {size} over cp = 1 (the slowest rank): step {slowest['step_s'] / one[0]['step_s']:.2f}x; {ratios}."
+            )
     sharded = [r for r in records if r["cp"] > 1]
     if sharded:
         r = sharded[0]
-        per = r["elements_per_replayed_token"]
-        communication = (
-            f"Replay communication per replayed token (all attention layers, fp32 elements all-reduced per rank): "
-            f"forward {per['forward']} ({4 * per['forward']} B), backward {per['backward']} "
-            f"({4 * per['backward']} B). Counted over the replay: {r['replay_elements_counted']}; formula: "
-            f"{r['replay_elements_formula']}."
-        )
-        served = "; ".join(
-            f"rank {r['rank']}: {r['capture_served'].get('seconds', 0.0):.2f} s, "
-            f"{int(r['capture_served'].get('query_key_pairs', 0)):,} query-key pairs"
-            for r in sharded
-        )
-        imbalance = f"Capture attention each rank computed for other ranks' queries: {served}."
-        lines += ["", communication, "", imbalance]
+        lines += [
+            "",
+            f"Communication of rank 0 at cp = {r['cp']} (elements sent to the other ranks; counted = formula): "
+            + "; ".join(
+                f"{kind} {r['elements'].get(kind, 0):,} = {r['elements_formula'][kind]:,}"
+                for kind in r["elements_formula"]
+            )
+            + ".",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -174,22 +245,30 @@ def main() -> None:
     parser.add_argument("--attention-chunk-size", type=int, default=4096)
     parser.add_argument("--mode", choices=("detach", "exact"), default="detach")
     parser.add_argument("--cps", default="1,2")
+    parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
-    records = []
+    sizes = [int(c) for c in args.cps.split(",")]
+    runs = []
     with tempfile.TemporaryDirectory() as scratch:
-        for size in (int(c) for c in args.cps.split(",")):
-            mp.spawn(rank_main, args=(size, f"{scratch}/init{size}", args, scratch), nprocs=size, join=True)
-            records += [json.loads(Path(scratch, f"cp{size}-rank{r}.json").read_text()) for r in range(size)]
-    for record in records:
-        if record["replay_elements_counted"] is not None:
-            assert record["replay_elements_counted"] == record["replay_elements_formula"], record
+        for round_ in range(args.rounds):
+            records = []
+            for size in sizes:
+                init = f"{scratch}/init{size}-{round_}"
+                mp.spawn(rank_main, args=(size, init, args, scratch), nprocs=size, join=True)
+                records += [json.loads(Path(scratch, f"cp{size}-rank{r}.json").read_text()) for r in range(size)]
+            runs.append(records)
+    for records in runs:
+        for record in records:
+            if record["elements_formula"] is not None:
+                assert record["elements"] == record["elements_formula"], record
+    records = median_records(runs)
     summary = table(records, args)
     print(summary)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, "results.json").write_text(json.dumps(records, indent=1))
+        Path(args.out, "results.json").write_text(json.dumps(runs, indent=1))
         Path(args.out, "summary.md").write_text(summary)
 
 

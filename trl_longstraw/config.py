@@ -86,8 +86,9 @@ class LongStrawGRPOConfig(GRPOConfig):
             continuous batching, or where the generation settings ask for what it does not implement (a warning says
             so); `True`: on, and such settings are an error; `False`: TRL's generation.
         context_parallel_size (`int`, *optional*):
-            Ranks that share one prompt, each keeping a contiguous shard of its state (see
-            docs/context-parallel.md). The world must be a multiple of it: `world = data parallel x context parallel`. Unset: the
+            Ranks that share one prompt, each keeping its chunks of the prompt's state and doing its share of the
+            capture, scoring and replay (see docs/context-parallel.md). The world must be a multiple of it:
+            `world = data parallel x context parallel`. Unset: the
             `cp_size` of Accelerate's `parallelism_config` (in the training args, or in an accelerate config file's
             `parallelism_config` section), else 1. Set both and they must agree.
         shard_weights (`bool`, *optional*, defaults to `False`):
@@ -177,9 +178,10 @@ class LongStrawGRPOConfig(GRPOConfig):
     context_parallel_size: int | None = field(
         default=None,
         metadata={
-            "help": "Ranks that share one prompt (context parallelism): each keeps a contiguous sequence shard of the "
-            "prompt state, attention over the shards is merged by log-sum-exp, and every rank ends the step with the "
-            "single-process gradient. The world size must be a multiple of it (world = data parallel x context "
+            "help": "Ranks that share one prompt (context parallelism): each keeps its chunks of the prompt state "
+            "(one per capture step, dealt in zigzag), captures them at the same time as the others, and scores and "
+            "replays its share of the members; attention over the ranks' pages is merged by log-sum-exp, and every "
+            "rank ends the step with the single-process gradient. The world size must be a multiple of it (world = data parallel x context "
             "parallel; consecutive ranks form a context-parallel group). Unset: the cp_size of Accelerate's "
             "parallelism_config if one is configured, else 1."
         },

@@ -1,11 +1,10 @@
-"""The context-parallel engine: capture, exact-mode prompt backward and rollout decisions with the prompt sharded.
+"""The context-parallel engine: the capture's and the exact recompute's steps, each rank's members, rollout decisions.
 
-Capture (`ContextParallelEngine.capture`): shard by shard, in rank order. The owner of the current shard runs its
-chunks through the model, announcing each attention and indexer call; the other ranks serve them
-(`ShardedPromptState.serve`) until the owner announces the end of its shard. Recurrent states are handed from shard
-to shard and the last shard's broadcast (`state.py`). The exact-mode recompute runs the same way, shards in reverse
-order, and the parameter gradients each rank's recompute added are summed across the group
-(`sum_added_gradients`). Rollouts decode every row on every rank in lockstep, with rank 0's decisions (`agree`).
+Capture (`ContextParallelEngine.capture`): step by step, every rank capturing its chunk of the step at once
+(`ShardedPromptState`, `step.StepAttention`). The exact-mode recompute runs the steps in reverse, every rank at once.
+Scoring and replay: each rank its own members (`members`), a stand-in (`stand_in`) keeping it in step with the group
+where it has none; scores are all-gathered. Rollouts decode every row on every rank in lockstep, with rank 0's
+decisions (`agree`).
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ class ContextParallelEngine(LongStrawEngine):
     def on_every_rank(self, flag: bool) -> bool:
         if not self.sharded:
             return flag
-        agreed = self.context_parallel.all_reduce(torch.tensor([float(flag)]), op=dist.ReduceOp.MIN, kind="rows")
+        agreed = self.context_parallel.all_reduce(torch.tensor([float(flag)]), op=dist.ReduceOp.MIN, kind="flags")
         return bool(agreed.item())
 
     def members(self, count: int) -> list[int | None]:
@@ -65,7 +64,7 @@ class ContextParallelEngine(LongStrawEngine):
 
     def _merge_member_load(self, load: RouterLoad) -> RouterLoad:
         total = self.context_parallel.all_reduce(
-            torch.cat([load.counts, load.probs, load.rows.reshape(1)]), kind="rows"
+            torch.cat([load.counts, load.probs, load.rows.reshape(1)]), kind="scores"
         )
         experts = self.routing.num_experts
         return RouterLoad(total[:experts], total[experts : 2 * experts], total[-1])
@@ -97,7 +96,7 @@ class ContextParallelEngine(LongStrawEngine):
                 if member_load is not None:
                     load = member_load if load is None else load + member_load
             rounds.append(scored)
-        gathered = cp.all_gather(torch.stack(rounds), kind="rows") if rounds else []
+        gathered = cp.all_gather(torch.stack(rounds), kind="scores") if rounds else []
         logps = torch.zeros(completions.shape, device=self._device(model))
         entropies = torch.zeros_like(logps) if has_entropies else None
         for rank, scored in enumerate(gathered):

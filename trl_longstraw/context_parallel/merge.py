@@ -1,33 +1,22 @@
-"""The exact merge of partial attention across ranks: log-sum-exp across the CP group, and its autograd function.
-
-A query's attention over a shard is computed where the shard lives, as that shard's partial `(o, lse)`; the partials
-are merged by an all-reduce of the max log-sum-exp and then of the weighted outputs (`merge_across`), which is exact.
-`ContextParallelAttention`'s backward gives each rank the gradient of its own partial (the ring-attention identity: a
-key block's gradients need only the global output and log-sum-exp) and all-reduces (sums) the gradients of the
-query-side inputs (q, the completion's own keys and values, sinks) inside the function, so every rank's upstream
-graph receives the full gradient and every rank computes identical parameter gradients without any further
-all-reduce. DSA's top-k is merged the same way: each rank's candidates, then the top-k of all of them (`merge_topk`).
+"""The exact merge of partial attention: a query's attention over the keys one rank holds is that rank's partial
+`(o, lse)`, and partials merge by log-sum-exp, which is exact: on one rank that holds them all (`merge_stacked`, the
+steps' and rows' attention, `step.py`) or across the CP group (`merge_across`: an all-reduce of the max log-sum-exp and
+then of the weighted outputs, the rollouts' decoding, where every rank decodes the same rows). DSA's top-k merges the
+same way across the group: each rank's candidates, then the top-k of all of them (`merge_topk`).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..attention import (
-    KeyBlock,
-    Visibility,
     _finite,
-    blocks_backward,
     blocks_forward,
     merge_by_lse,
-    sinks_gradient,
     sinks_partial,
 )
-from .communication import ContextParallelGroup, pack, unpack
+from .communication import ContextParallelGroup
 
 
 def merge_across(out: torch.Tensor, lse: torch.Tensor, cp: ContextParallelGroup) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,102 +78,3 @@ def partial_attention(q, q_positions, scaling, visibility, chunk_size, softcap, 
     if sinks is not None:
         out, lse = merge_by_lse(out, lse, torch.zeros_like(out), sinks_partial(sinks, lse))
     return out, lse
-
-
-@dataclass(frozen=True)
-class AttentionCall:
-    """The static side of one `ContextParallelAttention` call.
-
-    `owns_suffix`: this rank counts the forward's own keys (and the sinks). `reduce_suffix`: every rank computed the
-    own keys (replay in lockstep), so their gradients are summed across ranks like dq; otherwise (capture, recompute)
-    only the owner has them. `on_backward`: the recompute's owner announces its backward to the serving ranks.
-    """
-
-    cp: ContextParallelGroup
-    owns_suffix: bool
-    reduce_suffix: bool
-    q_positions: torch.Tensor
-    scaling: float
-    visibility: Visibility
-    chunk_size: int
-    softcap: float | None
-    own_block: KeyBlock
-    on_backward: Callable[[torch.Tensor], None] | None = None
-
-
-class ContextParallelAttention(torch.autograd.Function):
-    """Softmax attention of `q [batch, heads, tokens, d]` over the pages of every rank of the CP group plus this
-    forward's own keys (counted on the rank that `owns_suffix` only), one softmax.
-
-    Forward: this rank's partial over its pages (and the own keys and sinks where it owns them), merged across ranks.
-    Backward: each rank's blocks get their gradients from the global output and log-sum-exp; the query-side gradients
-    (q, sinks, and the own keys and values where every rank has them) are summed across ranks here, so every rank
-    returns the full gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, q, sinks, own_k, own_v, call: AttentionCall, page_blocks, *page_tensors):
-        with torch.autocast(q.device.type, enabled=False):
-            blocks = page_blocks + ((call.own_block,) if call.owns_suffix else ())
-            tensors = page_tensors + ((own_k, own_v) if call.owns_suffix else ())
-            out, lse = partial_attention(
-                q,
-                call.q_positions,
-                call.scaling,
-                call.visibility,
-                call.chunk_size,
-                call.softcap,
-                blocks,
-                tensors,
-                own_v.shape[-1],
-                sinks if call.owns_suffix else None,
-            )
-            out, lse = merge_across(out, lse, call.cp)
-        ctx.save_for_backward(q, sinks, own_k, own_v, out, lse, *page_tensors)
-        ctx.call, ctx.blocks = call, blocks
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, d_out):
-        q, sinks, own_k, own_v, out, lse, *page_tensors = ctx.saved_tensors
-        call = ctx.call
-        need = ctx.needs_input_grad
-        with torch.autocast(q.device.type, enabled=False):
-            d_out = d_out.to(out.dtype).contiguous()
-            if call.on_backward is not None:
-                call.on_backward(d_out)
-            tensors = tuple(page_tensors) + ((own_k, own_v) if call.owns_suffix else ())
-            flags = (True, *need[6:]) + ((need[2], need[3]) if call.owns_suffix else ())
-            d_q, grads = blocks_backward(
-                d_out,
-                q,
-                call.q_positions,
-                out,
-                lse,
-                call.scaling,
-                call.visibility,
-                call.chunk_size,
-                call.softcap,
-                ctx.blocks,
-                tensors,
-                flags,
-            )
-            d_own_k, d_own_v = grads[len(page_tensors) :] if call.owns_suffix else (None, None)
-            pieces = [d_q]
-            if call.reduce_suffix:
-                d_own_k = torch.zeros_like(own_k, dtype=out.dtype) if d_own_k is None else d_own_k.to(out.dtype)
-                d_own_v = torch.zeros_like(own_v, dtype=out.dtype) if d_own_v is None else d_own_v.to(out.dtype)
-                pieces += [d_own_k, d_own_v]
-            if sinks is not None:
-                own_sinks = None
-                if call.owns_suffix:
-                    own_sinks = sinks_gradient(sinks, lse, (d_out * out).sum(-1)).to(out.dtype)
-                pieces.append(torch.zeros_like(sinks, dtype=out.dtype) if own_sinks is None else own_sinks)
-            summed = unpack(call.cp.all_reduce(pack(pieces), kind="backward"), pieces)
-        d_q = summed[0].to(q.dtype)
-        if call.reduce_suffix:
-            d_own_k, d_own_v = summed[1], summed[2]
-        d_own_k = d_own_k.to(own_k.dtype) if need[2] and d_own_k is not None else None
-        d_own_v = d_own_v.to(own_v.dtype) if need[3] and d_own_v is not None else None
-        d_sinks = summed[-1].to(sinks.dtype) if sinks is not None and need[1] else None
-        return (d_q, d_sinks, d_own_k, d_own_v, None, None, *grads[: len(page_tensors)])

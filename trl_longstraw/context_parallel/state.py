@@ -13,7 +13,8 @@ another rank's pages is ever copied: a query's attention over them is computed w
   that applies them. Recurrent kinds hand their chunk states (`LayerState.chunk_states`) from the holder of a chunk to
   the holder of the next as each layer records them (a wavefront: the next rank runs that layer while this one goes
   on); in the recompute their gradients go back the same way, each layer's as soon as it is accumulated.
-- Replay, scoring, rollouts: every rank runs the same rows in lockstep (`attention`, `merge.ContextParallelAttention`).
+- Scoring and replay: every rank runs its own members, the group's ranks in step (`step.StepAttention` without chunks;
+  DSA likewise). Rollouts: every rank decodes the same rows, each over its pages, merged (`merge.merge_across`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from ..attention import KeyBlock, Visibility
 from ..state import LayerState, PromptState
 from .communication import ContextParallelGroup
-from .merge import AttentionCall, ContextParallelAttention, merge_topk
+from .merge import merge_across, merge_topk, partial_attention
 from .sharding import ContextParallelError, ShardLayout
 from .step import StepAttention, StepCall, exchange, gather_step
 
@@ -122,7 +123,8 @@ class ShardedPromptState(PromptState):
         indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`PromptState.attention` over every rank's pages, as one softmax across the CP group: a capture or recompute
-        step's, every rank's chunk at once (`step.StepAttention`), or a replay's, every rank running the same rows."""
+        step's, every rank's chunk at once (`step.StepAttention`); a scoring or replay forward's, every rank running
+        its own rows (the same function, without chunks); a rollout step's, every rank decoding the same rows."""
         if access.mode == "read":
             return self._rows_attention(
                 access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
@@ -131,27 +133,44 @@ class ShardedPromptState(PromptState):
             return self._step_attention(
                 access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
             )
-        page_blocks, page_tensors = layer.page_block(query.dtype, None, indices)
-        own_picked = None if indices is None else indices.long() - access.prefix_length
-        call = AttentionCall(
-            self.cp,
-            self.cp.rank == 0,  # every rank runs the rows: rank 0 counts their own keys
-            True,
-            access.query_positions,
-            scaling,
-            visibility,
-            access.attention_chunk_size,
-            softcap,
-            KeyBlock(access.own_positions(own_keys.shape[1]), shared=False, picked=own_picked),
+        return self._decode_attention(
+            access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
         )
-        return ContextParallelAttention.apply(query, sinks, own_keys, own_values, call, page_blocks, *page_tensors)
+
+    @torch.no_grad()
+    def _decode_attention(
+        self, access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
+    ):
+        """A rollout step: every rank decodes the same rows, each over its pages (rank 0 also over the rows' own
+        entries, with the sinks), merged across the group (`merge.merge_across`)."""
+        blocks, tensors = (list(part) for part in layer.page_block(query.dtype, None, indices))
+        counts_rows = self.cp.rank == 0
+        if counts_rows:
+            own_picked = None if indices is None else indices.long() - access.prefix_length
+            blocks.append(KeyBlock(access.own_positions(own_keys.shape[1]), shared=False, picked=own_picked))
+            tensors += [own_keys, own_values]
+        with torch.autocast(query.device.type, enabled=False):
+            out, lse = partial_attention(
+                query,
+                access.query_positions,
+                scaling,
+                visibility,
+                access.attention_chunk_size,
+                softcap,
+                tuple(blocks),
+                tuple(tensors),
+                own_values.shape[-1],
+                sinks if counts_rows else None,
+            )
+            out, _ = merge_across(out, lse, self.cp)
+        return out.to(query.dtype)
 
     def rows_lengths(self, access) -> list[int]:
         """Every rank's row width in this scoring or replay forward (each rank runs its own members), by rank: read
         once per forward, at its first collective."""
         if access.rows_lengths is None:
             mine = torch.tensor([access.query_positions.numel()], dtype=torch.int64)
-            access.rows_lengths = [int(n) for n in self.cp.all_gather(mine, "rows")]
+            access.rows_lengths = [int(n) for n in self.cp.all_gather(mine, "lengths")]
         return access.rows_lengths
 
     def _rows_attention(
