@@ -8,7 +8,9 @@ Each cp runs in `cp` fresh processes (gloo, one thread each): capture the prompt
 under autograd and back-propagate a fixed per-token gradient (the update's shape, without TRL's loss), exact mode
 adding the prompt backward. Under cp > 1 each rank scores and replays its own members (a stand-in where the last
 round has fewer), as the trainer does. Per rank: each phase's wall time, peak RSS above the pre-update baseline
-(`ru_maxrss` against the RSS just before the update), the prompt state's bytes.
+(`ru_maxrss` against the RSS just before the update; on CUDA `max_memory_allocated`), the prompt state's bytes.
+`--device cuda` puts every rank's model on the one GPU (gloo between them): the GPU check's cp = 2 point, a check of
+the path at GPU scale and of per-rank memory, not of scaling.
 
 `--rounds N` runs the cps N times, interleaved (cp = 1, 2, 1, 2, ...), and reports each phase's median per rank: on
 a shared machine a single timing can be far off, and interleaving spreads any drift over both.
@@ -97,7 +99,7 @@ def formulas(config, layout, cp: int, args) -> dict[str, int]:
     }
     if args.mode == "exact":
         counted["recompute"] = sum(step_elements(config, cp, n, True) for n in steps) * len(in_capture)
-    return counted
+    return {kind: count for kind, count in counted.items() if count}
 
 
 def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, out: str) -> None:
@@ -113,13 +115,24 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
         cp = ContextParallelGroup.of()
     _, kwargs = load_config_kwargs(args.model_preset)
     config, model = build_model(kwargs, min_positions=args.prompt_length + args.completion_length + 1)
+    device = torch.device(args.device)
+    if device.type == "cuda":  # the ranks share one device (gloo): a check of the path at GPU scale, not of scaling
+        torch.cuda.set_device(0)
+        torch.cuda.reset_peak_memory_stats()
+    model.to(device, getattr(torch, args.dtype))
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     vocab = config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(2, vocab, (args.prompt_length,), generator=generator)
     completions = torch.randint(2, vocab, (args.members, args.completion_length), generator=generator)
-    upstream = torch.randn(args.members, args.completion_length, generator=generator)
+    upstream = torch.randn(args.members, args.completion_length, generator=generator).to(device)
+
+    def clock() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     lengths = torch.full((args.members,), args.completion_length)
     engine = ContextParallelEngine(
         args.prefill_chunk_size, args.attention_chunk_size, prompt_gradient=args.mode, context_parallel=cp
@@ -127,27 +140,27 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
     baseline = rss_gib()
     times, elements = {}, {}
     COMMUNICATION.clear()
-    start = time.perf_counter()
+    start = clock()
     state = engine.capture(model, prompt, first_position=0)
-    times["capture"] = time.perf_counter() - start
+    times["capture"] = clock() - start
     if args.mode == "exact":
         state.requires_grad_()
-    start = time.perf_counter()
+    start = clock()
     with torch.no_grad():
         engine.score(model, state, prompt[-1:], completions, lengths, batch_size=1)
-    times["score"] = time.perf_counter() - start
-    start = time.perf_counter()
+    times["score"] = clock() - start
+    start = clock()
     for member in engine.members(args.members):
         if member is None:
             engine.stand_in(model, state, prompt[-1:], completions[0])
             continue
         logps, _ = engine.replay(model, state, prompt[-1:], completions[member], args.completion_length)
         logps.backward(upstream[member])
-    times["replay"] = time.perf_counter() - start
+    times["replay"] = clock() - start
     if args.mode == "exact":
-        start = time.perf_counter()
+        start = clock()
         engine.backward_prompt(model, state, prompt)
-        times["prompt_backward"] = time.perf_counter() - start
+        times["prompt_backward"] = clock() - start
     elements = {kind: COMMUNICATION[kind] for kind in ("capture", "rows", "recompute") if COMMUNICATION[kind]}
     expected = None
     if size > 1:
@@ -158,7 +171,9 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
         "held_tokens": state.geometry.num_tokens,
         "state_gib": state.nbytes() / 2**30,
         "peak_rss_gib": peak_rss_gib(),
-        "peak_added_gib": peak_rss_gib() - baseline,
+        "peak_added_gib": peak_rss_gib() - baseline
+        if device.type == "cpu"
+        else torch.cuda.max_memory_allocated() / 2**30,
         "times_s": times,
         "step_s": sum(times.values()),
         "elements": elements,
@@ -246,6 +261,8 @@ def main() -> None:
     parser.add_argument("--mode", choices=("detach", "exact"), default="detach")
     parser.add_argument("--cps", default="1,2")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cuda: every rank on the one GPU (the GPU check)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"

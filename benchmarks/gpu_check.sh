@@ -10,8 +10,12 @@
 # 2. The update sweep at GPU scale in bf16 (<= 130 s): the Qwen3.5/3.6-27B layer geometry at full width (preset
 #    hybrid-qwen35-gpu: 3 GatedDeltaNet + 1 full-attention layer), LongStraw detach / exact, stock serialized /
 #    batched, P up to 128K (the sweep writes each finished configuration, so a timeout keeps what ran).
-# 3. The long-prompt point in fp8 (<= 110 s): the same preset, prompt_state_dtype float8_e4m3fn, detach mode, P =
-#    128K, 256K, 512K, 1M, 2M while its 90 s budget allows (benchmarks/long_prompt_point.py: capture, score of
+# 3. Context parallelism's cp = 2 point at GPU scale (<= 40 s): benchmarks/context_parallel.py on the same preset,
+#    bf16, exact mode, P = 16K, both ranks on the one GPU over gloo: the step attention, the split replays and the
+#    recurrent hand-offs at full width, per-rank max_memory_allocated and the counted communication against its
+#    formulas (the ranks share the device, so its times say nothing of scaling).
+# 4. The long-prompt point in fp8 (<= 70 s): the same preset, prompt_state_dtype float8_e4m3fn, detach mode, P =
+#    128K, 256K, 512K, 1M, 2M while its 55 s budget allows (benchmarks/long_prompt_point.py: capture, score of
 #    G = 8 members, one replay of R = 512 with its backward; per-phase time and max_memory_allocated), TF32 on for
 #    the fp32 attention tiles.
 # Everything lands in $OUT (default benchmarks/results/gpu-h200): environment, test log and JUnit XML, the sweep's
@@ -65,9 +69,14 @@ run_for 130 "$PYTHON" benchmarks/sweep.py --model-preset hybrid-qwen35-gpu --dev
     --reference-p 32768 --out "$OUT" > "$OUT/sweep.log" 2>&1
 echo "sweep exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/sweep.log"; archive
 
-run_for 110 "$PYTHON" benchmarks/long_prompt_point.py --preset hybrid-qwen35-gpu --device cuda --dtype bfloat16 \
+run_for 40 "$PYTHON" benchmarks/context_parallel.py --model-preset hybrid-qwen35-gpu --device cuda --dtype bfloat16 \
+    --prompt-length 16384 --members 4 --completion-length 256 --prefill-chunk-size 4096 --attention-chunk-size 4096 \
+    --mode exact --cps 1,2 --out "$OUT/context_parallel" > "$OUT/context_parallel.log" 2>&1
+echo "context-parallel point exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/context_parallel.log"; archive
+
+run_for 70 "$PYTHON" benchmarks/long_prompt_point.py --preset hybrid-qwen35-gpu --device cuda --dtype bfloat16 \
     --prompt-state-dtype float8_e4m3fn --prompt-lengths 131072,262144,524288,1048576,2097152 --group-size 8 \
-    --completion-length 512 --prefill-chunk-size 8192 --attention-chunk-size 8192 --allow-tf32 --budget-s 90 \
+    --completion-length 512 --prefill-chunk-size 8192 --attention-chunk-size 8192 --allow-tf32 --budget-s 55 \
     --out "$OUT/long_prompt.json" > "$OUT/long_prompt.log" 2>&1
 echo "long-prompt point exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/long_prompt.log"
 exit 0  # the EXIT trap writes the archive

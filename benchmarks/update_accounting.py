@@ -14,11 +14,11 @@ real allocations in tests/test_accounting.py); the working set is an estimate. N
 
 Per context-parallel rank (`--context-parallel N`, or `--recipe PATH@P`, which reads the model, LoRA, chunk sizes,
 completion length, G and `context_parallel_size` from a recipe YAML at P prompt positions): what CP shards by
-sequence (full-attention K/V pages, MLA latent pages, DSA indexer keys) is counted for the largest shard of the
-captured tokens (`context_parallel.shard_bounds`), what it replicates (GatedDeltaNet / Mamba2 conv and recurrent states
-and sliding windows, fixed size) in full on every rank; every rank holds the whole model and the adapters with their
-optimizer state, and its working set is one process's (every rank replays each member through every layer; a serving
-rank holds one chunk of another rank's queries). Layer kinds CP refuses (chunked attention) mark a row refused.
+sequence (full-attention K/V pages, MLA latent pages, DSA indexer keys) is counted for the rank holding the most of
+the captured tokens (`context_parallel.ShardLayout`: one chunk per rank per capture step), what it replicates
+(GatedDeltaNet / Mamba2 conv and recurrent states and sliding windows, fixed size) in full on every rank; every rank
+holds the whole model and the adapters with their optimizer state, and its working set is one process's (a capture
+step adds the step's gathered queries, keys and values, one chunk per rank). Layer kinds CP refuses (chunked attention) mark a row refused.
 """
 
 from __future__ import annotations

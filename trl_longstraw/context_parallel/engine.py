@@ -142,11 +142,11 @@ class ContextParallelEngine(LongStrawEngine):
         if self.routing is not None:  # every rank holds the whole prompt's routing sums
             experts = self.routing.num_experts
             load = state.router_load
-            total = cp.all_reduce(torch.cat([load.counts, load.probs, load.rows.reshape(1)]), kind="capture")
+            total = cp.all_reduce(torch.cat([load.counts, load.probs, load.rows.reshape(1)]), kind="router")
             state.router_load = RouterLoad(total[:experts], total[experts : 2 * experts], total[-1])
         state.check_captured()
         finite = torch.tensor([float(state.all_finite())])
-        if not cp.all_reduce(finite, op=dist.ReduceOp.MIN, kind="capture").item():  # every rank raises together
+        if not cp.all_reduce(finite, op=dist.ReduceOp.MIN, kind="flags").item():  # every rank raises together
             raise non_finite_error("the captured prompt state")
         return state
 

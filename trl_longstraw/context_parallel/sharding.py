@@ -7,10 +7,10 @@ in reverse order on odd ones (zigzag): rank r holds chunk `s cp + r` (s even) or
 - The capture runs step by step with every rank capturing its chunk of the step at once (`ContextParallelEngine`):
   a chunk reads only earlier chunks, which are either earlier steps' (pages, on every rank alike) or the step's own
   earlier chunks, so all ranks of a group work at the same time, layer by layer.
-- Every rank holds one chunk per step, so the pages every step's queries read are spread evenly: each rank serves
-  `1/cp` of the capture's (query, key) pairs over pages. Within a step the rank holding an earlier chunk computes the
-  later chunks' attention over it; zigzag alternates which rank that is, so over two steps every rank does
-  `cp - 1` of those chunk pairs (`capture_attention_pairs`).
+- Every rank holds one chunk per step, so the pages every step's queries read are spread evenly: each rank computes
+  `1/cp` of the capture's (query, key) pairs over pages. Within a step the work of a later chunk's queries over an
+  earlier chunk is split in two halves, one on each of the two chunks' ranks (`step.py`), so every rank does the same
+  work in every step (`capture_attention_pairs`).
 - Recurrent states pass from chunk to chunk: within a step from rank to rank (a wavefront: rank r runs a recurrent
   layer as soon as the rank before it has, while that one goes on to its next layer), and across a step boundary on
   the same rank (zigzag: the last chunk of a step and the first of the next have the same owner).
@@ -130,10 +130,21 @@ def check_prompt_length(prompt_tokens: int, size: int) -> None:
 
 
 def capture_attention_pairs(layout: ShardLayout) -> list[int]:
-    """Causal (query, key) pairs of the capture each rank computes: those over the keys it holds (a key's holder
-    computes every later query's attention over it), the capture's attention work per rank."""
+    """Causal (query, key) pairs of the capture each rank computes (`step.py`): every query over its pages, its own
+    chunk's queries over its own chunk, and of a later chunk of the step the first half of the queries over its chunk
+    (the later chunk's rank takes the second half): the capture's attention work per rank."""
     pairs = [0] * layout.size
-    for chunk, (start, end) in enumerate(layout.bounds):
-        length = end - start
-        pairs[layout.owner(chunk)] += length * (length + 1) // 2 + length * (layout.num_tokens - end)
+    for step in range(layout.steps):
+        chunks = sorted(layout.step_chunks(step))  # in prompt order
+        step_start, step_end = layout.bounds[chunks[0]][0], layout.bounds[chunks[-1]][1]
+        for place, chunk in enumerate(chunks):
+            rank = layout.owner(chunk)
+            start, end = layout.bounds[chunk]
+            length = end - start
+            pairs[rank] += length * (length + 1) // 2  # its own queries over its own chunk, causal
+            pairs[rank] += layout.held_before(rank, step_start) * (step_end - step_start)  # the step's over its pages
+            for later in chunks[place + 1 :]:
+                queries = layout.bounds[later][1] - layout.bounds[later][0]
+                pairs[rank] += queries // 2 * length  # the first half of the later chunk's queries, here
+                pairs[layout.owner(later)] += (queries - queries // 2) * length  # the second half, there
     return pairs

@@ -94,8 +94,20 @@ def _padded(tensor: torch.Tensor, dim: int, length: int) -> torch.Tensor:
 
 def gather_step(cp: ContextParallelGroup, tensor: torch.Tensor, lengths: list[int], dim: int, kind: str):
     """Every rank's `tensor` (its chunk's `lengths[rank]` tokens along `dim`), by rank."""
-    gathered = cp.all_gather(_padded(tensor, dim, max(lengths)), kind)
-    return [piece.narrow(dim, 0, length) for piece, length in zip(gathered, lengths, strict=True)]
+    return gather_together(cp, [tensor], [dim], lengths, kind)[0]
+
+
+def gather_together(cp, tensors: list[torch.Tensor], dims: list[int], lengths: list[int], kind: str):
+    """Every rank's `tensors` (of one dtype; each its chunk's `lengths[rank]` tokens along its dim), in one
+    all-gather: by tensor, then by rank."""
+    padded = [_padded(tensor, dim, max(lengths)) for tensor, dim in zip(tensors, dims, strict=True)]
+    gathered = cp.all_gather(torch.cat([piece.reshape(-1) for piece in padded]), kind)
+    result, offset = [], 0
+    for piece, dim in zip(padded, dims, strict=True):
+        ranks = [flat[offset : offset + piece.numel()].view(piece.shape) for flat in gathered]
+        result.append([part.narrow(dim, 0, length) for part, length in zip(ranks, lengths, strict=True)])
+        offset += piece.numel()
+    return result
 
 
 def exchange(cp: ContextParallelGroup, pieces: list[torch.Tensor], dim: int, length: int, kind: str):
@@ -209,11 +221,9 @@ class StepAttention(torch.autograd.Function):
 
 def _gathered(call: StepCall, q, own_k, own_v, lengths):
     """The step's queries, and its keys and values where chunks of the step read each other (None for rows)."""
-    queries = gather_step(call.cp, q, lengths, 2, call.kind)
     if call.starts is None:
-        return queries, None, None
-    keys = gather_step(call.cp, own_k, lengths, 1, call.kind)
-    return queries, keys, gather_step(call.cp, own_v, lengths, 1, call.kind)
+        return gather_step(call.cp, q, lengths, 2, call.kind), None, None
+    return gather_together(call.cp, [q, own_k, own_v], [2, 1, 1], lengths, call.kind)
 
 
 def _source(source, page_tensors, own_k, own_v, keys, values) -> tuple[torch.Tensor, ...]:
