@@ -107,6 +107,8 @@ def main(out: str, context_parallel_size: int, family: str) -> None:
     results = {mode: step(mode, context_parallel_size, family) for mode in ("detach", "exact")}
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.save(results, f"{out}/cp{context_parallel_size}-rank{rank}.pt")
+    if dist.is_initialized():  # every group's gloo threads stopped before the interpreter tears down
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

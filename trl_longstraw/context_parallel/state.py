@@ -183,12 +183,7 @@ class ShardedPromptState(PromptState):
             )
         first = self.start_position + self.num_tokens
         positions = tuple(torch.arange(first, first + n) for n in self.rows_lengths(access))
-        selections = None if indices is None else tuple(self.step_selections)
-        page_blocks, page_tensors = layer.page_block(query.dtype)
-        if selections is not None:
-            page_blocks = tuple(layer.page_block(query.dtype, None, selection)[0] for selection in selections)
-        else:
-            page_blocks = (page_blocks,) * self.cp.size
+        selections, page_blocks, page_tensors = self._pages_by_rank(layer, query.dtype, None, indices)
         call = StepCall(
             self.cp,
             None,
@@ -204,18 +199,22 @@ class ShardedPromptState(PromptState):
         )
         return StepAttention.apply(query, sinks, own_keys, own_values, call, *page_tensors)
 
+    def _pages_by_rank(self, layer, dtype, limit, indices):
+        """Each rank's DSA selection (None without one), this rank's first `limit` pages as each rank's queries read
+        them (a selection picks its own), and the pages' tensors."""
+        selections = None if indices is None else tuple(self.step_selections)
+        blocks, tensors = layer.page_block(dtype, limit)
+        if selections is None:
+            return None, (blocks,) * self.cp.size, tensors
+        return selections, tuple(layer.page_block(dtype, limit, selection)[0] for selection in selections), tensors
+
     def _step_attention(
         self, access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
     ):
         chunks = self._step_chunks(access)
         starts = tuple(self.layout.bounds[chunk][0] for chunk in chunks)
         limit = self.local_prefix(min(starts))  # the pages of earlier steps
-        selections = None if indices is None else tuple(self.step_selections)
-        page_blocks, page_tensors = layer.page_block(query.dtype, limit)
-        if selections is not None:  # each rank's queries pick their own pages
-            page_blocks = tuple(layer.page_block(query.dtype, limit, selection)[0] for selection in selections)
-        else:
-            page_blocks = (page_blocks,) * self.cp.size
+        selections, page_blocks, page_tensors = self._pages_by_rank(layer, query.dtype, limit, indices)
         call = StepCall(
             self.cp,
             starts,
