@@ -7,7 +7,7 @@ the model on CUDA nothing is copied, with gloo and the model on CPU nothing is e
 the NCCL path is written for, not tested.
 
 `COMMUNICATION` counts the elements sent through each kind of collective (benchmarks/context_parallel.py checks the
-count against the formula in the package docstring).
+count against the formulas of `step.py`).
 """
 
 from __future__ import annotations
@@ -136,20 +136,6 @@ def _allocated(header: torch.Tensor, device: torch.device) -> torch.Tensor:
     """An empty tensor as `_header` described it."""
     dims, dtype, *shape = header.tolist()
     return torch.empty(tuple(shape[:dims]), dtype=DTYPES[dtype], device=device)
-
-
-def pack(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """Several tensors as one flat tensor, for one collective (`unpack` splits it again)."""
-    return torch.cat([piece.reshape(-1) for piece in pieces])
-
-
-def unpack(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`packed` (from `pack`) as views shaped like `like`."""
-    pieces, offset = [], 0
-    for piece in like:
-        pieces.append(packed[offset : offset + piece.numel()].view_as(piece))
-        offset += piece.numel()
-    return pieces
 
 
 def build_context_parallel_group(context_parallel_size: int) -> ContextParallelGroup:
