@@ -62,10 +62,9 @@ class ContextParallelEngine(LongStrawEngine):
         size, rank = self.context_parallel.size, self.context_parallel.rank
         return [round_ * size + rank if round_ * size + rank < count else None for round_ in range(-(-count // size))]
 
-    def _merge_member_load(self, load: RouterLoad) -> RouterLoad:
-        total = self.context_parallel.all_reduce(
-            torch.cat([load.counts, load.probs, load.rows.reshape(1)]), kind="scores"
-        )
+    def _summed_over_group(self, load: RouterLoad, kind: str) -> RouterLoad:
+        """Routing sums of each rank's tokens, summed over the CP group (one all-reduce)."""
+        total = self.context_parallel.all_reduce(torch.cat([load.counts, load.probs, load.rows.reshape(1)]), kind=kind)
         experts = self.routing.num_experts
         return RouterLoad(total[:experts], total[experts : 2 * experts], total[-1])
 
@@ -109,7 +108,7 @@ class ContextParallelEngine(LongStrawEngine):
         if not router_load:
             return logps, entropies
         load = RouterLoad.zeros(self.routing, self._device(model)) if load is None else load
-        return logps, entropies, self._merge_member_load(load)
+        return logps, entropies, self._summed_over_group(load, kind="scores")
 
     def stand_in(self, model, state, last_prompt_token, completion) -> None:
         """A replay that adds nothing (one token, zero gradient), for a round where this rank has no member: its
@@ -140,10 +139,7 @@ class ContextParallelEngine(LongStrawEngine):
             state.add_router_load(load)
         state.finish_capture()
         if self.routing is not None:  # every rank holds the whole prompt's routing sums
-            experts = self.routing.num_experts
-            load = state.router_load
-            total = cp.all_reduce(torch.cat([load.counts, load.probs, load.rows.reshape(1)]), kind="router")
-            state.router_load = RouterLoad(total[:experts], total[experts : 2 * experts], total[-1])
+            state.router_load = self._summed_over_group(state.router_load, kind="router")
         state.check_captured()
         finite = torch.tensor([float(state.all_finite())])
         if not cp.all_reduce(finite, op=dist.ReduceOp.MIN, kind="flags").item():  # every rank raises together

@@ -125,11 +125,7 @@ class ShardedPromptState(PromptState):
         """`PromptState.attention` over every rank's pages, as one softmax across the CP group: a capture or recompute
         step's, every rank's chunk at once (`step.StepAttention`); a scoring or replay forward's, every rank running
         its own rows (the same function, without chunks); a rollout step's, every rank decoding the same rows."""
-        if access.mode == "read":
-            return self._rows_attention(
-                access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
-            )
-        if access.mode in ("capture", "recompute"):
+        if access.mode in ("capture", "recompute", "read"):
             return self._step_attention(
                 access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
             )
@@ -173,20 +169,34 @@ class ShardedPromptState(PromptState):
             access.rows_lengths = [int(n) for n in self.cp.all_gather(mine, "lengths")]
         return access.rows_lengths
 
-    def _rows_attention(
+    def _step_attention(
         self, access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
     ):
-        if query.shape[0] != 1:
-            raise ContextParallelError(
-                "Under context parallelism each rank scores and replays its own members, one at a time: a batch of "
-                f"{query.shape[0]} rows reached the attention."
-            )
-        first = self.start_position + self.num_tokens
-        positions = tuple(torch.arange(first, first + n) for n in self.rows_lengths(access))
-        selections, page_blocks, page_tensors = self._pages_by_rank(layer, query.dtype, None, indices)
+        """A capture or recompute step's attention (every rank's chunk of the step), or a scoring or replay forward's
+        (every rank's rows after the prompt, no chunks): `step.StepAttention` over this rank's pages before them."""
+        if access.mode == "read":
+            if query.shape[0] != 1:
+                raise ContextParallelError(
+                    "Under context parallelism each rank scores and replays its own members, one at a time: a batch "
+                    f"of {query.shape[0]} rows reached the attention."
+                )
+            first = self.start_position + self.num_tokens
+            starts, limit, kind, first_index = None, None, "rows", self.num_tokens
+            positions = tuple(torch.arange(first, first + n) for n in self.rows_lengths(access))
+        else:
+            chunks = self._step_chunks(access)
+            starts = tuple(self.layout.bounds[chunk][0] for chunk in chunks)
+            limit, kind, first_index = self.local_prefix(min(starts)), access.mode, 0  # the pages of earlier steps
+            positions = tuple(self.chunk_positions(chunk) for chunk in chunks)
+        selections = None if indices is None else tuple(self.step_selections)
+        page_blocks, page_tensors = layer.page_block(query.dtype, limit)
+        if selections is None:
+            page_blocks = (page_blocks,) * self.cp.size
+        else:  # each rank's queries pick their own pages
+            page_blocks = tuple(layer.page_block(query.dtype, limit, selection)[0] for selection in selections)
         call = StepCall(
             self.cp,
-            None,
+            starts,
             positions,
             page_blocks,
             selections,
@@ -194,38 +204,8 @@ class ShardedPromptState(PromptState):
             visibility,
             access.attention_chunk_size,
             softcap,
-            "rows",
-            self.num_tokens,
-        )
-        return StepAttention.apply(query, sinks, own_keys, own_values, call, *page_tensors)
-
-    def _pages_by_rank(self, layer, dtype, limit, indices):
-        """Each rank's DSA selection (None without one), this rank's first `limit` pages as each rank's queries read
-        them (a selection picks its own), and the pages' tensors."""
-        selections = None if indices is None else tuple(self.step_selections)
-        blocks, tensors = layer.page_block(dtype, limit)
-        if selections is None:
-            return None, (blocks,) * self.cp.size, tensors
-        return selections, tuple(layer.page_block(dtype, limit, selection)[0] for selection in selections), tensors
-
-    def _step_attention(
-        self, access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
-    ):
-        chunks = self._step_chunks(access)
-        starts = tuple(self.layout.bounds[chunk][0] for chunk in chunks)
-        limit = self.local_prefix(min(starts))  # the pages of earlier steps
-        selections, page_blocks, page_tensors = self._pages_by_rank(layer, query.dtype, limit, indices)
-        call = StepCall(
-            self.cp,
-            starts,
-            tuple(self.chunk_positions(chunk) for chunk in chunks),
-            page_blocks,
-            selections,
-            scaling,
-            visibility,
-            access.attention_chunk_size,
-            softcap,
-            access.mode,
+            kind,
+            first_index,
         )
         return StepAttention.apply(query, sinks, own_keys, own_values, call, *page_tensors)
 
