@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .faults import collective
+
 
 def average_gradients(params: Sequence[nn.Parameter], group: dist.ProcessGroup | None = None, shares: int = 1) -> None:
     """All-reduce the gradients of `params` across `group` into their mean over the data-parallel ranks, in one flat
@@ -35,7 +37,8 @@ def average_gradients(params: Sequence[nn.Parameter], group: dist.ProcessGroup |
         by_dtype.setdefault(param.grad.dtype, []).append(param)
     for same_dtype in by_dtype.values():
         flat = torch.cat([p.grad.reshape(-1) for p in same_dtype])
-        dist.all_reduce(flat, group=group)
+        with collective("gradient all-reduce", group):
+            dist.all_reduce(flat, group=group)
         flat.div_(world_size // shares)
         offset = 0
         for param in same_dtype:

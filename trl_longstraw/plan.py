@@ -448,6 +448,77 @@ def plan_at_construction(
     return plan
 
 
+def memory_budget(device: torch.device, device_gib: float | None = None) -> int:
+    """The bytes a run may use on `device`: `device_gib` where given (`memory_plan_device_gib`), else the GPU's total
+    memory, else the host's (its physical memory, or the process's address-space limit where lower)."""
+    if device_gib is not None:
+        return int(device_gib * GIB)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import resource
+
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    return physical if limit == resource.RLIM_INFINITY else min(physical, limit)
+
+
+def explain_out_of_memory(
+    config: PretrainedConfig,
+    setup: UpdateSetup,
+    phase: str,
+    context_parallel: int,
+    budget: int,
+    stock_rows: int,
+    exact: bool = False,
+) -> str:
+    """What an allocation failure in `phase` says: the run's size and settings, the plan's predicted state and peak,
+    and each single setting that would fit (`_suggestions`). Where the plan itself fits `budget` (it does not model
+    everything: exact mode's prompt backward, other processes on the device), the settings that cut its predicted
+    peak by a quarter."""
+    plan = plan_run(config, setup, context_parallel, budget, stock_rows, suggest=False)
+    target = plan if not plan.fits else dataclasses.replace(plan, budget=int(plan.device_bytes * 0.75))
+    suggestions = _suggestions(config, target, stock_rows, None)
+    state = "fp8 pages" if setup.state_dtype == "float8_e4m3fn" else "the model's dtype"
+    lines = [
+        (
+            f"Out of memory in LongStraw phase {phase!r}: a prompt of P = {setup.prompt_tokens:,} tokens, G = "
+            f"{setup.group_size} completions of up to {setup.completion_tokens:,} tokens; prefill_chunk_size="
+            f"{setup.prefill_chunk_size}, attention_chunk_size={setup.attention_chunk_size}, prompt_state_dtype="
+            f"{setup.state_dtype!r}, prompt_state_device={'cpu' if setup.state_device == 'cpu' else 'auto'!r}, "
+            f"context_parallel_size={context_parallel}."
+        ),
+        f"The memory plan predicts {_size(plan.state_bytes)} of prompt state on this rank (in {state}, "
+        + ("on the host" if setup.state_device == "cpu" else "on the device")
+        + f") and a peak of {_size(plan.device_bytes)} against {_size(budget)}"
+        + (" (exact mode's prompt backward comes on top: not modelled)." if exact else "."),
+    ]
+    if plan.fits:
+        lines.append(
+            "The plan fits: what it does not model took the rest (exact mode's prompt backward, other processes on "
+            "the device, fragmentation)."
+        )
+    if suggestions:
+        lines.append(
+            "Each of these settings alone cuts the predicted peak by a quarter or more:"
+            if plan.fits
+            else "Each of these settings alone would fit:"
+        )
+        for suggestion in suggestions:
+            settings = ", ".join(f"{key}={value!r}" for key, value in suggestion["settings"].items())
+            lines.append(f"  {settings}: {_size(suggestion['device_bytes'])}")
+    else:
+        lines.append(
+            "No single setting is enough: combine them (prompt_state_dtype='float8_e4m3fn', prompt_state_device="
+            "'cpu', smaller prefill_chunk_size and attention_chunk_size, a larger context_parallel_size), or shorten "
+            "max_prompt_length."
+        )
+    return "\n".join(lines)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GIB:,.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:,.1f} MiB"
+
+
 def weight_shards_at_construction(model, args) -> int:
     """The ranks the trainer shards the weights over: every rank with `shard_weights`, or as many as a model already
     sharded with `fully_shard` spans; 1 otherwise."""
@@ -513,8 +584,10 @@ __all__ = [
     "MemoryPlanError",
     "ModelSourceError",
     "Plan",
+    "explain_out_of_memory",
     "format_plan",
     "load_model_config",
+    "memory_budget",
     "plan_at_construction",
     "plan_run",
     "trainer_setup",

@@ -13,9 +13,11 @@ it returns them as the outputs of a [`~trl_longstraw.loss.ReplayedScores`] node,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
@@ -44,10 +46,11 @@ from .context_parallel import (
 )
 from .distributed import average_gradients
 from .engine import ensure_finite, non_finite_error, stock_attention, weights_version
+from .faults import in_phase
 from .fsdp import ShardedPasses, check_sharded_layout, fully_shard_model, is_sharded, sharded_mesh_group
 from .load_balancing import moe_routing
 from .loss import member_backward, replayed_scores
-from .plan import GIB, plan_at_construction
+from .plan import GIB, explain_out_of_memory, memory_budget, plan_at_construction, trainer_setup
 from .preflight import check_capture_matches_own_forward, positions_follow_mask
 from .rollout import (
     PromptRows,
@@ -329,7 +332,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         state_device = None if args.prompt_state_device == "auto" else torch.device(args.prompt_state_device)
         # Context parallelism (the context_parallel package): None, or this rank's CP group.
         self._context_parallel = (
-            build_context_parallel_group(args.context_parallel_size) if args.context_parallel_size > 1 else None
+            build_context_parallel_group(args.context_parallel_size, timedelta(seconds=args.ddp_timeout))
+            if args.context_parallel_size > 1
+            else None
         )
         self.engine = ContextParallelEngine(
             prefill_chunk_size=args.prefill_chunk_size,
@@ -346,6 +351,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             synchronize=args.sync_phase_metrics,
         )
         self._kept: _KeptState | None = None
+        self._prompt_tokens = 0  # the last prompt captured
         self._first_turn: dict[tuple[int, ...], PromptRows] | None = None  # a generation's prompts, for its tool turns
         self._reached: list[torch.nn.Parameter] | None = None
         self.rollout_from_prompt_state = self._resolve_rollout(args)
@@ -437,8 +443,27 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"
 
+    @contextlib.contextmanager
     def _phase(self, name: str):
-        return self._telemetry.phase(name, self._mode())
+        """A phase of the update: timed and metered (telemetry), and named by any failure in it (faults)."""
+        with in_phase(name, self._explain_out_of_memory), self._telemetry.phase(name, self._mode()):
+            yield
+
+    def _explain_out_of_memory(self, phase: str) -> str:
+        """An allocation failure's message (`plan.explain_out_of_memory`), at the prompt length last captured."""
+        args, causal_lm = self.args, self._causal_lm(self.model)
+        setup = trainer_setup(causal_lm.config, self.accelerator.unwrap_model(self.model), args)
+        setup = dataclasses.replace(setup, prompt_tokens=max(self._prompt_tokens, 2))
+        device = model_devices(causal_lm)[0]
+        return explain_out_of_memory(
+            causal_lm.config,
+            setup,
+            phase,
+            args.context_parallel_size,
+            memory_budget(device, args.memory_plan_device_gib),
+            args.per_device_train_batch_size,
+            exact=args.prompt_gradient == "exact",
+        )
 
     def _flush_telemetry(self, mode: str) -> None:
         for key, value in self._telemetry.flush(mode).items():
@@ -503,6 +528,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     # ---------------------------------------------------------------------------------------------------------------
     def _capture(self, causal_lm, group: PromptGroup, phase: str):
         with self._phase(phase), self.accelerator.autocast():
+            self._prompt_tokens = len(group.prompt_ids)  # what an allocation failure names
             state = self.engine.capture(causal_lm, group.prompt_ids, group.first_position)
         self._telemetry.record_state(state.nbytes(), self._mode())
         return state

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ..faults import collective
 from .sharding import ContextParallelError
 
 # Elements sent through each kind of collective by this process (reset it to measure a phase).
@@ -38,21 +40,27 @@ def communication_device(group: dist.ProcessGroup | None = None) -> torch.device
 
 @dataclass(frozen=True)
 class ContextParallelGroup:
-    """The ranks that share one prompt: `group` (None: the default group), this rank's index in it, its size, and the
-    device its communication tensors live on (`communication_device`, picked once by `of`).
+    """The ranks that share one prompt: `group` (None: the default group), this rank's index in it, its size, the
+    device its communication tensors live on (`communication_device`, picked once by `of`), and the group's timeout
+    (the Trainer's `ddp_timeout`, named where a collective fails).
 
     Every collective of context parallelism goes through these methods, which take and return tensors on any device:
     a tensor not on `device` is copied there for the collective (and the result copied back in place); the math that
-    produced it stays on the compute device."""
+    produced it stays on the compute device. A collective that fails (a peer raised, exited or stopped answering)
+    raises `faults.RankFailure` naming the phase and what each peer reported."""
 
     group: dist.ProcessGroup | None
     rank: int
     size: int
     device: torch.device = _CPU
+    timeout: timedelta | None = None
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup | None = None) -> ContextParallelGroup:
-        return cls(group, dist.get_rank(group), dist.get_world_size(group), communication_device(group))
+    def of(cls, group: dist.ProcessGroup | None = None, timeout: timedelta | None = None) -> ContextParallelGroup:
+        return cls(group, dist.get_rank(group), dist.get_world_size(group), communication_device(group), timeout)
+
+    def _collective(self, kind: str):
+        return collective(kind, self.group, self.timeout)
 
     def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` itself if the backend can send it (on `device`, contiguous), else a copy that it can."""
@@ -67,23 +75,26 @@ class ContextParallelGroup:
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
         COMMUNICATION[kind] += tensor.numel()
-        return self._in_place(lambda wire: dist.all_reduce(wire, op=op, group=self.group), tensor)
+        with self._collective(kind):
+            return self._in_place(lambda wire: dist.all_reduce(wire, op=op, group=self.group), tensor)
 
     def broadcast(self, tensor: torch.Tensor, source: int, kind: str = "broadcast") -> torch.Tensor:
         """`tensor` as `source` has it, on every rank; the source's own tensor is never written (it may be a view of
         an activation autograd saved: an in-place write through a wire copy would bump its version)."""
         COMMUNICATION[kind] += tensor.numel()
-        if self.rank == source:
-            dist.broadcast(self._wire(tensor), group=self.group, group_src=source)
-            return tensor
-        return self._in_place(lambda wire: dist.broadcast(wire, group=self.group, group_src=source), tensor)
+        with self._collective(kind):
+            if self.rank == source:
+                dist.broadcast(self._wire(tensor), group=self.group, group_src=source)
+                return tensor
+            return self._in_place(lambda wire: dist.broadcast(wire, group=self.group, group_src=source), tensor)
 
     def all_gather(self, tensor: torch.Tensor, kind: str) -> list[torch.Tensor]:
         """Every rank's `tensor` (the same shape and dtype on every rank), by rank, on `tensor`'s device."""
         wire = self._wire(tensor)
         gathered = [torch.empty_like(wire) for _ in range(self.size)]
         COMMUNICATION[kind] += tensor.numel() * (self.size - 1)
-        dist.all_gather(gathered, wire, group=self.group)
+        with self._collective(kind):
+            dist.all_gather(gathered, wire, group=self.group)
         return [piece.to(tensor.device) for piece in gathered]
 
     def all_to_all(self, tensors: list[torch.Tensor], kind: str) -> list[torch.Tensor]:
@@ -91,7 +102,8 @@ class ContextParallelGroup:
         wires = [self._wire(tensor) for tensor in tensors]
         received = [torch.empty_like(wire) for wire in wires]
         COMMUNICATION[kind] += sum(tensor.numel() for rank, tensor in enumerate(tensors) if rank != self.rank)
-        dist.all_to_all(received, wires, group=self.group)
+        with self._collective(kind):
+            dist.all_to_all(received, wires, group=self.group)
         return [piece.to(tensors[0].device) for piece in received]
 
     def send_async(self, tensor: torch.Tensor, destination: int) -> list:
@@ -99,7 +111,8 @@ class ContextParallelGroup:
         waiting for the receiver: the requests, to wait on (the wire tensors are kept with them)."""
         header, wire = _header(tensor, self.device), self._wire(tensor.detach())
         COMMUNICATION["send"] += tensor.numel()
-        requests = [dist.isend(piece, group=self.group, group_dst=destination) for piece in (header, wire)]
+        with self._collective("send"):
+            requests = [dist.isend(piece, group=self.group, group_dst=destination) for piece in (header, wire)]
         return [(request, header, wire) for request in requests]
 
     def send_tagged(self, tensor: torch.Tensor, destination: int, tag: int) -> list:
@@ -107,20 +120,29 @@ class ContextParallelGroup:
         (`receive_tagged`): the request and the wire tensor, to wait on."""
         wire = self._wire(tensor.detach())
         COMMUNICATION["send"] += tensor.numel()
-        return [(dist.isend(wire, group=self.group, group_dst=destination, tag=tag), wire)]
+        with self._collective("send"):
+            return [(dist.isend(wire, group=self.group, group_dst=destination, tag=tag), wire)]
+
+    def wait(self, sending: list) -> None:
+        """Wait until the sends of `send_async` or `send_tagged` (their requests) have gone out."""
+        with self._collective("send"):
+            for request, *_ in sending:
+                request.wait()
 
     def receive_tagged(self, like: torch.Tensor, source: int, tag: int) -> torch.Tensor:
         """What `send_tagged` sent with `tag`, into a tensor like `like` (on `like`'s device)."""
         wire = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-        dist.recv(wire, group=self.group, group_src=source, tag=tag)
+        with self._collective(f"receive from group rank {source}"):
+            dist.recv(wire, group=self.group, group_src=source, tag=tag)
         return wire.to(like.device)
 
     def receive(self, source: int) -> torch.Tensor:
         """The tensor `send_async` sent, on `device` (the caller moves it where it is kept)."""
         header = torch.empty(8, dtype=torch.int64, device=self.device)
-        dist.recv(header, group=self.group, group_src=source)
-        tensor = _allocated(header, self.device)
-        dist.recv(tensor, group=self.group, group_src=source)
+        with self._collective(f"receive from group rank {source}"):
+            dist.recv(header, group=self.group, group_src=source)
+            tensor = _allocated(header, self.device)
+            dist.recv(tensor, group=self.group, group_src=source)
         return tensor
 
 
@@ -138,13 +160,16 @@ def _allocated(header: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(tuple(shape[:dims]), dtype=DTYPES[dtype], device=device)
 
 
-def build_context_parallel_group(context_parallel_size: int) -> ContextParallelGroup:
+def build_context_parallel_group(context_parallel_size: int, timeout: timedelta | None = None) -> ContextParallelGroup:
     """This rank's CP group on `torch.distributed`, `world = dp x cp`: consecutive ranks `[k cp, (k + 1) cp)` form CP
     group k (neighbours share a prompt: on a multi-GPU node they share the fastest links), as Accelerate orders its
     mesh (`cp` inner). Every rank creates every group, in the same order, as `new_group` requires. Gradients are
     averaged over the whole world, not over a DP group: that is the DP mean (a CP group's ranks hold the same
     gradient), and it keeps a CP group's ranks bitwise equal even where a non-deterministic kernel (CUDA's scatter-add
-    in MoE routing, say) made their replays differ in the last bits, so their weights can never drift apart."""
+    in MoE routing, say) made their replays differ in the last bits, so their weights can never drift apart.
+
+    `timeout`: how long a collective of the group waits for a silent peer (the trainer passes `ddp_timeout`); None
+    gives torch's default for new groups (30 minutes on gloo), not the default group's."""
     size = context_parallel_size
     if not dist.is_available() or not dist.is_initialized():
         raise ContextParallelError(
@@ -160,6 +185,6 @@ def build_context_parallel_group(context_parallel_size: int) -> ContextParallelG
     context = None
     for first in range(0, world, size):
         ranks = list(range(first, first + size))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         context = group if rank in ranks else context
-    return ContextParallelGroup.of(context)
+    return ContextParallelGroup.of(context, timeout)

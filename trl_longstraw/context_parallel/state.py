@@ -336,8 +336,7 @@ class ShardedPromptState(PromptState):
         """The hand-offs sent; every rank replays from the whole prompt's chunk states: those of the last chunk's
         holder, broadcast (fixed size). Detach mode replaces this rank's own final state with them; exact mode keeps
         this rank's entries (the recompute reads them) and appends them."""
-        for request, *_ in self._sending:
-            request.wait()
+        self.cp.wait(self._sending)
         self._sending = []
         last = self.layout.owner(len(self.layout.bounds) - 1)
         for states in self.chunk_states():
@@ -393,8 +392,7 @@ class ShardedPromptState(PromptState):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        for request, *_ in self._sending:
-            request.wait()
+        self.cp.wait(self._sending)
         self._sending = []
 
 

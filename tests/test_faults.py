@@ -1,0 +1,161 @@
+"""Faults across ranks (`trl_longstraw/faults.py`): a rank that raises, is killed or stalls at any point of the
+context-parallel protocol makes every other rank of its group raise within the group's timeout, naming the phase and
+what the faulty rank did. Each rank is its own process (forked: `tests/fault_worker.py`)."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from trl_longstraw import LongStrawGRPOTrainer
+from trl_longstraw.accounting import UpdateSetup
+from trl_longstraw.faults import REPORT_GRACE_S, PhaseOutOfMemoryError, current_phase, in_phase
+from trl_longstraw.plan import GIB, explain_out_of_memory, load_model_config, plan_run
+
+from .conftest import make_trainer, synthetic_inputs
+from .fault_worker import PHASES, run
+from .test_distributed import free_port
+
+TIMEOUT_S = 4.0  # the group's timeout (the Trainer's ddp_timeout)
+SLACK_S = 3.0  # the faulty rank's peers may enter their blocking collective a little after the fault
+FAULTS = ("raise", "kill", "stall")
+CASES = [(2, phase, fault) for phase in PHASES for fault in FAULTS]
+CASES += [(3, "capture", "raise"), (3, "replay", "kill"), (3, "prompt_backward", "stall")]
+CPU_ALLOCATOR_FAILURE = "[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: you tried to allocate 2147483648 bytes."
+
+
+def launch(tmp_path, world_size, phase, fault, faulty_rank):
+    """Fork the ranks; wait for the survivors (every rank but a stalled one) up to their bound; kill what is left.
+    Each rank's recorded outcome, the fault's time, and the exit codes."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    args = (world_size, str(tmp_path / "init"), str(tmp_path), phase, fault, faulty_rank, TIMEOUT_S)
+    context = mp.start_processes(run, args=args, nprocs=world_size, join=False, start_method="fork")
+    survivors = [rank for rank in range(world_size) if not (fault == "stall" and rank == faulty_rank)]
+    deadline = time.monotonic() + 120  # the update itself, then the fault's bound: a hang fails the test here
+    try:
+        while time.monotonic() < deadline:
+            if all(context.processes[rank].exitcode is not None for rank in survivors):
+                break
+            time.sleep(0.1)
+    finally:
+        for process in context.processes:
+            if process.exitcode is None:
+                process.kill()
+            process.join()
+    outcomes = {}
+    for rank in range(world_size):
+        path = tmp_path / f"rank{rank}.json"
+        outcomes[rank] = json.loads(path.read_text()) if path.exists() else None
+    fault_time = json.loads((tmp_path / "fault.json").read_text())["time"]
+    return outcomes, fault_time, {rank: context.processes[rank].exitcode for rank in survivors}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world_size", "phase", "fault"), CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_every_other_rank_raises_within_the_timeout_naming_the_phase_and_the_faulty_rank(
+    tmp_path, world_size, phase, fault
+):
+    faulty = CASES.index((world_size, phase, fault)) % world_size  # the first rank as often as a later one
+    outcomes, fault_time, exit_codes = launch(tmp_path, world_size, phase, fault, faulty)
+    assert all(code != 0 for code in exit_codes.values()), exit_codes  # no survivor hung, none went on as if fine
+    reported = {"raise": "raised ValueError: injected fault", "kill": "no report", "stall": "no report"}[fault]
+    bound = (TIMEOUT_S if fault == "stall" else 0.0) + REPORT_GRACE_S + SLACK_S
+    for rank, outcome in outcomes.items():
+        if rank == faulty:
+            if fault == "raise":  # the cause, as raised, noted with its phase
+                assert (
+                    outcome["error"] == "ValueError" and f"LongStraw phase {phase!r}, rank {rank}" in outcome["notes"]
+                )
+            continue
+        assert outcome["error"] == "RankFailure", outcome
+        assert f"in phase {phase!r} failed on rank {rank}" in outcome["message"], outcome["message"]
+        assert f"rank {faulty}: {reported}" in outcome["message"], outcome["message"]
+        assert outcome["time"] - fault_time <= bound, (outcome["time"] - fault_time, bound)
+
+
+def test_the_phase_is_known_inside_it_and_an_error_leaving_it_is_noted():
+    assert current_phase() == "outside a LongStraw phase"
+    with pytest.raises(KeyError) as raised, in_phase("score"):
+        assert current_phase() == "score"
+        raise KeyError("x")
+    assert raised.value.__notes__ == ["LongStraw phase 'score', rank 0"]
+    assert current_phase() == "outside a LongStraw phase"
+
+
+@pytest.mark.slow
+def test_the_trainer_honours_ddp_timeout_when_a_context_parallel_rank_stalls(tmp_path):
+    """`accelerate launch`, context_parallel_size=2, ddp_timeout=5: rank 1 stalls in the capture; rank 0's `train()`
+    raises within the timeout, naming the phase and the silent rank."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    command = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+    command += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
+    command += ["-m", "tests.fault_worker", str(tmp_path), "5"]
+    log = tmp_path / "launch.log"
+    with open(log, "w") as output:  # the launcher ends the stalled rank once rank 0 has failed
+        run = subprocess.Popen(command, env=env, stdout=output, stderr=output, start_new_session=True)
+        try:
+            run.wait(timeout=300)
+        finally:
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                subprocess.run(["pkill", "-9", "-f", str(tmp_path)], check=False)
+                run.wait()
+    assert (tmp_path / "rank0.json").exists(), log.read_text()[-4000:]
+    outcome = json.loads((tmp_path / "rank0.json").read_text())
+    fault_time = json.loads((tmp_path / "fault.json").read_text())["time"]
+    assert outcome["error"] == "RankFailure", outcome
+    assert "in phase 'capture' failed on rank 0 (timeout 5 s, the Trainer's `ddp_timeout`)" in outcome["message"]
+    assert "rank 1: no report" in outcome["message"]
+    assert outcome["time"] - fault_time <= 5 + REPORT_GRACE_S + SLACK_S
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), RuntimeError(CPU_ALLOCATOR_FAILURE)],
+    ids=["cuda", "cpu"],
+)
+def test_an_allocation_failure_names_the_phase_the_size_and_the_predicted_state(
+    fresh_model, tokenizer, prompt_dataset, tmp_path, monkeypatch, failure
+):
+    trainer = make_trainer(LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path)
+    capture = trainer.engine.capture
+    monkeypatch.setattr(trainer.engine, "capture", lambda *args, **kwargs: (capture(*args, **kwargs), fail())[0])
+
+    def fail():
+        raise failure
+
+    with pytest.raises(PhaseOutOfMemoryError) as raised:
+        trainer.replay_and_backward(trainer.model, synthetic_inputs(len(tokenizer)))
+    message = str(raised.value)
+    assert isinstance(raised.value, torch.OutOfMemoryError) and raised.value.__cause__ is failure
+    assert "Out of memory in LongStraw phase 'capture': a prompt of P = 11 tokens, G = 3 completions" in message
+    assert "prefill_chunk_size=1024, attention_chunk_size=4096, prompt_state_dtype='auto'" in message
+    assert "MiB of prompt state on this rank (in the model's dtype, on the device)" in message
+    assert "The plan fits: what it does not model took the rest" in message and f"(allocator: {failure})" in message
+
+
+def test_the_explanation_lists_the_single_settings_that_would_fit():
+    """Qwen3-8B, LoRA, P = 1M tokens on an 80 GiB device: the plan does not fit; each setting listed does."""
+    config = load_model_config("qwen3_8b")
+    setup = UpdateSetup(prompt_tokens=1_048_576, completion_tokens=1024, group_size=8, prefill_chunk_size=2048)
+    message = explain_out_of_memory(config, setup, "capture", 1, 80 * GIB, 8)
+    assert (
+        "P = 1,048,576 tokens, G = 8 completions" in message and "Each of these settings alone would fit:" in message
+    )
+    suggested = [line.split(":")[0].strip() for line in message.splitlines() if line.startswith("  ")]
+    assert "prompt_state_device='cpu'" in suggested and "context_parallel_size=4" in suggested, suggested
+    for line in suggested:  # each, applied alone, fits by the plan
+        key, value = line.split("=")
+        value = eval(value)  # the message's own repr of a setting
+        field = {"prompt_state_dtype": "state_dtype", "prompt_state_device": "state_device"}.get(key, key)
+        cp = value if key == "context_parallel_size" else 1
+        changed = setup if key == "context_parallel_size" else dataclasses.replace(setup, **{field: value})
+        assert plan_run(config, changed, cp, 80 * GIB, 8, suggest=False).fits, line
