@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, Llama4TextConfig
 from trl.trainer.utils import add_fused_lm_head
 
 from trl_longstraw.embedded import build_model
-from trl_longstraw.engine import LongStrawEngine, NonFiniteError, prepare_model, weights_version
+from trl_longstraw.engine import LongStrawEngine, prepare_model, weights_version
 from trl_longstraw.state import (
     AttentionPages,
     LatentPages,
@@ -150,13 +150,15 @@ def test_lora_on_fused_experts_leaves_the_weights_version_where_its_values_are()
     assert weights_version(model) != before
 
 
-def test_non_finite_prompt_state_is_reported_at_capture():
+def test_a_non_finite_prompt_state_names_its_first_non_finite_layer():
     model = prepared(build_model("qwen3"))
     prompt, _, _ = case()
+    assert LongStrawEngine(8, 8).capture(model, prompt, first_position=0).first_non_finite_layer() is None
     with torch.no_grad():
-        model.model.embed_tokens.weight[prompt[3]] = float("nan")
-    with pytest.raises(NonFiniteError, match="captured prompt state"):
-        LongStrawEngine(8, 8).capture(model, prompt, first_position=0)
+        model.model.layers[1].self_attn.k_proj.weight[0, 0] = float("inf")
+    state = LongStrawEngine(8, 8).capture(model, prompt, first_position=0)
+    assert not state.all_finite()
+    assert state.first_non_finite_layer() == "decoder layer 1 (AttentionPages)"
 
 
 def test_prompt_state_on_cpu_gives_the_same_scores():

@@ -2,6 +2,7 @@
 context-parallel protocol makes every other rank of its group raise within the group's timeout, naming the phase and
 what the faulty rank did. Each rank is its own process (forked: `tests/fault_worker.py`)."""
 
+import copy
 import dataclasses
 import json
 import os
@@ -13,13 +14,14 @@ import time
 import pytest
 import torch
 import torch.multiprocessing as mp
+from trl import GRPOTrainer
 
 from trl_longstraw import LongStrawGRPOTrainer
 from trl_longstraw.accounting import UpdateSetup
-from trl_longstraw.faults import REPORT_GRACE_S, PhaseOutOfMemoryError, current_phase, in_phase
+from trl_longstraw.faults import REPORT_GRACE_S, NonFiniteWarning, PhaseOutOfMemoryError, current_phase, in_phase
 from trl_longstraw.plan import GIB, explain_out_of_memory, load_model_config, plan_run
 
-from .conftest import make_trainer, synthetic_inputs
+from .conftest import grads_of, make_trainer, synthetic_inputs
 from .fault_worker import PHASES, run
 from .test_distributed import free_port
 
@@ -159,3 +161,48 @@ def test_the_explanation_lists_the_single_settings_that_would_fit():
         cp = value if key == "context_parallel_size" else 1
         changed = setup if key == "context_parallel_size" else dataclasses.replace(setup, **{field: value})
         assert plan_run(config, changed, cp, 80 * GIB, 8, suggest=False).fits, line
+
+
+def test_non_finite_values_are_named_and_the_step_goes_on_as_stocks(fresh_model, tokenizer, prompt_dataset, tmp_path):
+    """A NaN embedding row that only group 1's member 1 reads: every phase that sees it warns naming itself, the first
+    module whose output went non-finite and the optimizer step; the loss and which gradients are finite are stock's."""
+    inputs = synthetic_inputs(len(tokenizer))
+    poisoned = int(inputs["completion_ids"][4, 1])  # group 1, member 1, not used by any prompt of the batch
+    assert poisoned not in inputs["prompt_ids"] and poisoned not in inputs["completion_ids"][:4]
+    model = fresh_model()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[poisoned] = float("nan")
+    stock = make_trainer(GRPOTrainer, copy.deepcopy(model), tokenizer, prompt_dataset, tmp_path / "stock")
+    ours = make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path / "ours")
+    want = stock.compute_loss(stock.model, inputs)
+    want.backward()
+    with pytest.warns(NonFiniteWarning) as warned:
+        got = ours.replay_and_backward(ours.model, inputs)
+    messages = [str(warning.message) for warning in warned]
+    source = "optimizer step 1, the first non-finite output: the input embeddings)"
+    assert f"the scored log-probs, group 1, member 1 (LongStraw phase 'score', {source}" in messages[0], messages
+    assert any(f"the replayed log-probs, group 1, member 1 (LongStraw phase 'replay', {source}" in m for m in messages)
+    assert torch.isnan(got) == torch.isnan(want)
+    finite = {name: bool(torch.isfinite(grad).all()) for name, grad in grads_of(ours.model).items()}
+    assert finite == {name: bool(torch.isfinite(grad).all()) for name, grad in grads_of(stock.model).items()}
+
+
+def test_a_non_finite_prompt_state_and_gradient_are_named(fresh_model, tokenizer, prompt_dataset, tmp_path):
+    inputs = synthetic_inputs(len(tokenizer))
+    trainer = make_trainer(LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path)
+    with torch.no_grad():
+        trainer.model.model.layers[1].self_attn.v_proj.weight[0, 0] = float("inf")
+    with pytest.warns(
+        NonFiniteWarning,
+        match=r"the captured prompt state \(LongStraw phase 'capture', optimizer step "
+        r"1, the first non-finite output: decoder layer 1 \(AttentionPages\)\)",
+    ):
+        trainer.replay_and_backward(trainer.model, inputs)
+    trainer.model.zero_grad()
+    trainer.model.model.norm.weight.grad = torch.full_like(trainer.model.model.norm.weight, float("nan"))
+    with pytest.warns(
+        NonFiniteWarning,
+        match=r"the gradients \(.*the first non-finite output: the gradient of "
+        r"model.norm.weight\)",
+    ):
+        trainer._check_gradients()

@@ -34,23 +34,6 @@ from .load_balancing import MoeRouting, RouterLoad, recorded_router_logits
 from .state import PromptState, StateAccess, UnpreparedModelError, plan_layers
 from .state.suffix import Suffix
 
-
-class NonFiniteError(FloatingPointError):
-    """A NaN or infinity appeared in a phase of the LongStraw update."""
-
-
-def non_finite_error(where: str) -> NonFiniteError:
-    return NonFiniteError(
-        f"Non-finite values (NaN or inf) in {where}. Check the inputs and the weights (a learning rate that is "
-        "too high, fp16 overflow); lower the learning rate or train in bf16/fp32."
-    )
-
-
-def ensure_finite(values: torch.Tensor, where: str) -> None:
-    if not torch.isfinite(values).all():
-        raise non_finite_error(where)
-
-
 _optimizer_steps = 0
 
 
@@ -240,8 +223,6 @@ class LongStrawEngine:
             _, load, _ = self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk_index)
             state.add_router_load(load)
         state.check_captured()
-        if not state.all_finite():  # checked as each chunk was written; one device sync here
-            raise non_finite_error("the captured prompt state")
         return state
 
     def _backbone_forward(
@@ -413,10 +394,6 @@ class LongStrawEngine:
     def members(self, count: int) -> list[int | None]:
         """The members of a group of `count` this process scores or replays, in order (here: all of them)."""
         return list(range(count))
-
-    def on_every_rank(self, flag: bool) -> bool:
-        """Whether `flag` holds on every process sharing the prompt state (here: this one's)."""
-        return flag
 
     def agree(self, decision: torch.Tensor) -> torch.Tensor:
         """A rollout step's decision (its sampled tokens, the rows still unfinished) as every process decoding these

@@ -17,6 +17,7 @@ the timeout (plus `REPORT_GRACE_S`), and says why.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -24,6 +25,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 _PHASE: ContextVar[str | None] = ContextVar("longstraw_phase", default=None)
 # The store keys under which each rank reports its failure (one report per process: the first failure is the cause).
@@ -153,3 +155,58 @@ def collective(kind: str, group: dist.ProcessGroup | None = None, timeout: timed
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """NaN or inf in a LongStraw phase. The step goes on as stock `GRPOTrainer`'s would on it (the NaN reaches the
+    loss, and the gradients through it); `warnings.filterwarnings("error", category=NonFiniteWarning)` stops the run
+    at the first one instead."""
+
+
+def warn_non_finite(where: str, step: int, source: str | None = None) -> None:
+    """Warn that `where` holds NaN or inf in optimizer step `step`, naming the phase and, where known, the first
+    module whose output was not finite (`source`)."""
+    phase = _PHASE.get()
+    context = ([f"LongStraw phase {phase!r}"] if phase else []) + [f"optimizer step {step}"]
+    context += [f"the first non-finite output: {source}"] if source else []
+    warnings.warn(
+        f"Non-finite values (NaN or inf) in {where} ({', '.join(context)}). The step goes on as stock GRPOTrainer's would (its loss, and the gradients it reaches, turn NaN). "
+        "Check the inputs and the weights (a learning rate too high, fp16 overflow): lower the learning rate or train "
+        "in bf16/fp32.",
+        NonFiniteWarning,
+        stacklevel=3,
+    )
+
+
+class OutputFiniteness:
+    """Which module's output first went non-finite: one flag per watched module (the input embeddings, then each
+    decoder layer, in order), ANDed on the device by a forward hook at every forward (no host synchronisation), read
+    only when a phase's result is non-finite (`first_non_finite`, which resets them)."""
+
+    def __init__(self, modules: list[tuple[str, nn.Module]]):
+        self.names = [name for name, _ in modules]
+        self._flags: torch.Tensor | None = None
+        self._hooks = [module.register_forward_hook(self._hook(index)) for index, (_, module) in enumerate(modules)]
+
+    def _hook(self, index: int):
+        def record(module: nn.Module, args, output) -> None:
+            tensor = output if isinstance(output, torch.Tensor) else output[0]
+            if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
+                return
+            if self._flags is None or self._flags.device != tensor.device:
+                self._flags = torch.ones(len(self.names), dtype=torch.bool, device=tensor.device)
+            self._flags[index] &= torch.isfinite(tensor.detach()).all()
+
+        return record
+
+    def first_non_finite(self) -> str | None:
+        """The first watched module whose output was not finite since the last call (None: all were)."""
+        if self._flags is None:
+            return None
+        flags, self._flags = self._flags.cpu(), None
+        bad = (~flags).nonzero()
+        return self.names[int(bad[0])] if len(bad) else None
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()

@@ -25,6 +25,7 @@ from accelerate.utils import is_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, TrainerCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context, profiling_decorator
@@ -45,8 +46,8 @@ from .context_parallel import (
     share_leader_inputs,
 )
 from .distributed import average_gradients
-from .engine import ensure_finite, non_finite_error, stock_attention, weights_version
-from .faults import in_phase
+from .engine import stock_attention, weights_version
+from .faults import OutputFiniteness, in_phase, warn_non_finite
 from .fsdp import ShardedPasses, check_sharded_layout, fully_shard_model, is_sharded, sharded_mesh_group
 from .load_balancing import moe_routing
 from .loss import member_backward, replayed_scores
@@ -60,6 +61,7 @@ from .rollout import (
     generates_with_transformers,
     prepare_sampling,
 )
+from .state.registry import decoder_layers
 from .telemetry import PhaseTelemetry, phase_rows
 
 logger = logging.getLogger(__name__)
@@ -128,19 +130,6 @@ def group_rows_by_prompt(
             )
         )
     return groups
-
-
-def ensure_finite_members(
-    finite: torch.Tensor, where: str, group: PromptGroup, members: list[int] | None = None
-) -> None:
-    """Raise naming the first member whose values are not finite (`finite`: one flag per member, or per `members`).
-
-    One device synchronisation per group, not per member.
-    """
-    if not bool(finite.all()):
-        member = int((~finite).nonzero()[0])
-        member = member if members is None else members[member]
-        raise non_finite_error(f"{where}, group {group.index}, member {member}")
 
 
 def check_adapter(peft_config) -> None:
@@ -242,6 +231,7 @@ class _LongStrawCallback(TrainerCallback):
             self.span.__exit__(None, None, None)
         self.span = self.trainer._phase("optimizer")
         self.span.__enter__()
+        self.trainer._check_gradients()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.span is not None:
@@ -352,6 +342,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         )
         self._kept: _KeptState | None = None
         self._prompt_tokens = 0  # the last prompt captured
+        self._finiteness = OutputFiniteness(  # which module a non-finite value came from (faults.py)
+            [("the input embeddings", policy.get_input_embeddings())]
+            + [(f"decoder layer {index}", layer) for index, layer in enumerate(decoder_layers(policy))]
+        )
         self._first_turn: dict[tuple[int, ...], PromptRows] | None = None  # a generation's prompts, for its tool turns
         self._reached: list[torch.nn.Parameter] | None = None
         self.rollout_from_prompt_state = self._resolve_rollout(args)
@@ -439,6 +433,34 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 f"context_parallel_size={args.context_parallel_size} with a model sharded by FSDP2: the two are not "
                 "composed yet. Set context_parallel_size=1 (every rank trains its own rows on the sharded weights)."
             )
+
+    def _warn_non_finite(self, where: str, source: str | None = None) -> None:
+        """`faults.warn_non_finite` in the optimizer step in progress; `source` by default the first module whose
+        output was not finite since the last warning (`OutputFiniteness`)."""
+        warn_non_finite(where, self.state.global_step + 1, source or self._finiteness.first_non_finite())
+
+    def _check_gradients(self) -> None:
+        """Warn naming the first parameter whose gradient holds NaN or inf (one synchronisation per optimizer step)."""
+        named = [  # FSDP2: each rank checks its own shards
+            (name, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+            for name, p in self.model.named_parameters()
+            if p.grad is not None
+        ]
+        if not named:
+            return
+        finite = torch.stack([torch.isfinite(grad).all().to(named[0][1].device) for _, grad in named]).cpu()
+        if not bool(finite.all()):
+            self._warn_non_finite("the gradients", f"the gradient of {named[int((~finite).nonzero()[0])][0]}")
+
+    def _check_members(
+        self, finite: torch.Tensor, where: str, group: PromptGroup, members: list[int] | None = None
+    ) -> None:
+        """Warn naming the first member whose values are not finite (`finite`: one flag per member, or per
+        `members`). One device synchronisation per group, not per member."""
+        if not bool(finite.all()):
+            member = int((~finite).nonzero()[0])
+            member = member if members is None else members[member]
+            self._warn_non_finite(f"{where}, group {group.index}, member {member}")
 
     def _mode(self) -> str:
         return "train" if self.model.training else "eval"
@@ -530,6 +552,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         with self._phase(phase), self.accelerator.autocast():
             self._prompt_tokens = len(group.prompt_ids)  # what an allocation failure names
             state = self.engine.capture(causal_lm, group.prompt_ids, group.first_position)
+            if not state.all_finite():  # checked as each chunk was written; one device sync here
+                self._warn_non_finite("the captured prompt state", state.first_non_finite_layer())
         self._telemetry.record_state(state.nbytes(), self._mode())
         return state
 
@@ -577,11 +601,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     batch_size=1,
                     router_load=router_load,
                 )
+                scored = "the reference model's scored log-probs" if reference else "the scored log-probs"
+                self._check_members(torch.isfinite(group_logps).all(dim=1), scored, group)
             if router_load:
                 group_load = state.router_load.times(len(group.rows)) + members_load[0]
                 load = group_load if load is None else load + group_load
-            phase = "capture_ref" if reference else "capture"
-            ensure_finite_members(torch.isfinite(group_logps).all(dim=1), f"phase 'score' ({phase})", group)
             if logps is None:
                 logps = group_logps.new_zeros(completion_ids.shape)
                 entropies = group_logps.new_zeros(completion_ids.shape)
@@ -671,8 +695,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         exact = self.args.prompt_gradient == "exact"
         replayed = False
         for name, grad in (("log-probs", grad_logps), ("entropies", grad_entropies)):
-            if grad is not None:
-                ensure_finite(grad, f"the GRPO loss's gradient with respect to the scored {name}")
+            if grad is not None and not bool(torch.isfinite(grad).all()):
+                self._warn_non_finite(f"the GRPO loss's gradient with respect to the scored {name}")
         with profiling_context(self, "replay_backward"):
             for group in groups:
                 rows = torch.tensor(group.rows, device=completion_ids.device)
@@ -733,9 +757,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                         )
                         replayed = True
                     finite = torch.stack(finite) if finite else torch.ones(0, dtype=torch.bool)
-                    if not self.engine.on_every_rank(bool(finite.all())) and bool(finite.all()):
-                        raise non_finite_error(f"phase 'replay', group {group.index}, a member another rank replayed")
-                    ensure_finite_members(finite, "phase 'replay'", group, members)
+                    self._check_members(finite, "the replayed log-probs", group, members)
                 if exact:
                     with self._phase("prompt_backward"), self.accelerator.autocast():
                         self.engine.backward_prompt(
@@ -796,7 +818,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         with "detach", that of the same loss with the prompt state held constant.
         """
         loss = self.compute_loss(model, inputs)
-        ensure_finite(loss.detach(), "the GRPO loss computed from the scored log-probs")
         loss.backward()
         return loss.detach()
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from ..engine import LongStrawEngine, check_prepared, no_layer_checkpointing, non_finite_error, weights_version
+from ..engine import LongStrawEngine, check_prepared, no_layer_checkpointing, weights_version
 from ..load_balancing import RouterLoad
 from .communication import ContextParallelGroup
 from .protocol import check_protocol
@@ -47,12 +46,6 @@ class ContextParallelEngine(LongStrawEngine):
     @property
     def lockstep(self) -> bool:
         return self.sharded
-
-    def on_every_rank(self, flag: bool) -> bool:
-        if not self.sharded:
-            return flag
-        agreed = self.context_parallel.all_reduce(torch.tensor([float(flag)]), op=dist.ReduceOp.MIN, kind="flags")
-        return bool(agreed.item())
 
     def members(self, count: int) -> list[int | None]:
         """The members this rank scores or replays, one per round: member `round * cp + rank` of the group's `count`,
@@ -141,9 +134,6 @@ class ContextParallelEngine(LongStrawEngine):
         if self.routing is not None:  # every rank holds the whole prompt's routing sums
             state.router_load = self._summed_over_group(state.router_load, kind="router")
         state.check_captured()
-        finite = torch.tensor([float(state.all_finite())])
-        if not cp.all_reduce(finite, op=dist.ReduceOp.MIN, kind="flags").item():  # every rank raises together
-            raise non_finite_error("the captured prompt state")
         return state
 
     def backward_prompt(self, model, state, prompt_ids, router_weights=None) -> None:

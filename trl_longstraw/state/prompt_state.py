@@ -180,6 +180,14 @@ class PromptState:
     def all_finite(self) -> bool:
         return self.geometry.placement.all_finite()
 
+    def first_non_finite_layer(self) -> str | None:
+        """The first decoder layer whose state holds NaN or inf, named (a scan of every tensor: for the rare step
+        whose `all_finite` is False)."""
+        for layer in self.layers:
+            if not all(bool(torch.isfinite(tensor.float()).all()) for tensor in layer.tensors()):
+                return f"decoder layer {layer.layer_idx} ({type(layer).__name__})"
+        return None
+
     def check_captured(self) -> None:
         """The prepared-model guard: after a capture of at least one token, every layer state must hold something."""
         if self.num_tokens == 0:
