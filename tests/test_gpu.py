@@ -11,6 +11,7 @@ import torch
 
 from trl_longstraw.embedded import FAMILIES, build_model
 from trl_longstraw.engine import LongStrawEngine
+from trl_longstraw.faults import PhaseOutOfMemoryError, in_phase
 
 from .test_attention import CAUSAL, VISIBILITIES, inputs, ours
 from .test_attention import test_bf16_under_autocast_accumulates_like_fp32 as bf16_autocast_check
@@ -330,3 +331,13 @@ def test_the_memory_plan_against_cuda_allocations(family):
     added = torch.cuda.max_memory_allocated() - before
     assert added / 5 <= plan.account.replay.bytes <= 5 * added, (plan.account.replay.bytes, added)
     del logps
+
+
+def test_a_cuda_allocation_failure_in_a_phase_is_re_raised_explained():
+    """A real CUDA out-of-memory error (twice the device's memory) inside a phase: `PhaseOutOfMemoryError` with the
+    explanation, the allocator's error as its cause (the trainer's explanation is tested on CPU: test_faults.py)."""
+    too_much = 2 * torch.cuda.get_device_properties(0).total_memory
+    explain = lambda phase: f"settings for {phase}"
+    with pytest.raises(PhaseOutOfMemoryError, match="settings for capture") as raised, in_phase("capture", explain):
+        torch.empty(too_much, dtype=torch.uint8, device="cuda")
+    assert isinstance(raised.value.__cause__, torch.cuda.OutOfMemoryError)

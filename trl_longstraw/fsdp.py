@@ -26,6 +26,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from .faults import collective
+
 FORWARD, BACKWARD, FINISHED = 0, 1, 2
 
 
@@ -148,7 +150,8 @@ class ShardedPasses:
         for the kind the other ranks run until then."""
         while True:
             chosen = torch.tensor([kind], device=self.device)
-            dist.all_reduce(chosen, op=dist.ReduceOp.MIN, group=self.group)
+            with collective("agreement on the next pass", self.group):
+                dist.all_reduce(chosen, op=dist.ReduceOp.MIN, group=self.group)
             self.rounds += 1
             chosen = int(chosen.item())
             if chosen == kind:

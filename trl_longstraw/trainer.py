@@ -52,6 +52,7 @@ from .fsdp import ShardedPasses, check_sharded_layout, fully_shard_model, is_sha
 from .load_balancing import moe_routing
 from .loss import member_backward, replayed_scores
 from .plan import GIB, explain_out_of_memory, memory_budget, plan_at_construction, trainer_setup
+from .preemption import PreemptionCallback
 from .preflight import check_capture_matches_own_forward, positions_follow_mask
 from .rollout import (
     PromptRows,
@@ -354,6 +355,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             for dataset in self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]:
                 self._check_eval_dataset(dataset)
         self.add_callback(_LongStrawCallback(self))
+        self.add_callback(PreemptionCallback())
 
     def _resolve_rollout(self, args: LongStrawGRPOConfig) -> bool:
         """Whether completions are decoded from the captured prompt state (`rollout_from_prompt_state`)."""
