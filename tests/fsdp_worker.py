@@ -123,11 +123,13 @@ class GradientBytes(TrainerCallback):
         self.bytes = max(self.bytes, local_bytes(p.grad for p in model.parameters() if p.grad is not None))
 
 
-def worker_args(world: int, **settings) -> LongStrawGRPOConfig:
-    """Both runs' settings: 6 rows per micro-step in all (3 per rank on 2 ranks), fp32 on CPU, no checkpoints."""
+def worker_args(world: int, context_parallel_size: int = 1, **settings) -> LongStrawGRPOConfig:
+    """Both runs' settings: 6 rows per micro-step in all (3 per data-parallel rank on 2), fp32 on CPU, no
+    checkpoints."""
     return LongStrawGRPOConfig(
         output_dir=tempfile.mkdtemp(),
-        per_device_train_batch_size=6 // world,
+        per_device_train_batch_size=6 // (world // context_parallel_size),
+        context_parallel_size=context_parallel_size,
         num_generations=3,
         learning_rate=1e-3,
         logging_steps=1,
@@ -149,6 +151,7 @@ def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
         fully_shard(model)
     args = worker_args(
         world,
+        2 if world > 1 and route == "context_parallel" else 1,
         gradient_accumulation_steps=2,
         max_completion_length=6,
         max_steps=1 if rollout else 3,

@@ -148,7 +148,7 @@ def test_the_script_names_an_unreadable_model_and_exits_2(capsys):
         (["--prompt-length", "9", "--context-parallel-size", "4", "--gpus", "2"], "exceeds --gpus 2"),
         (["--prompt-length", "9", "--weight-shards", "0"], "--weight-shards must be at least 1"),
         (["--prompt-length", "9", "--weight-shards", "2", "--load-in-4bit"], "FSDP2 does not shard NF4"),
-        (["--prompt-length", "9", "--weight-shards", "2", "--context-parallel-size", "2"], "not composed yet"),
+        (["--prompt-length", "9", "--weight-shards", "2", "--context-parallel-size", "4"], "not a multiple of"),
     ],
 )
 def test_bad_flags_are_refused_before_any_config_is_read(flags, message, monkeypatch, capsys):

@@ -90,8 +90,11 @@ def check_plan_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error(f"--weight-shards must be at least 1, got {args.weight_shards}")
     if args.weight_shards > 1 and args.load_in_4bit:
         parser.error("--weight-shards with --load-in-4bit: FSDP2 does not shard NF4 weights; drop one of them")
-    if args.weight_shards > 1 and args.context_parallel_size > 1:
-        parser.error("--weight-shards with --context-parallel-size: not composed yet (docs/sharded-weights.md)")
+    if args.weight_shards > 1 and args.weight_shards % args.context_parallel_size:
+        parser.error(
+            f"--weight-shards {args.weight_shards} is not a multiple of --context-parallel-size "
+            f"{args.context_parallel_size}: the weights are sharded over every rank (data parallel x context parallel)"
+        )
     if args.gpus is not None and args.weight_shards > args.gpus:
         parser.error(f"--weight-shards {args.weight_shards} exceeds --gpus {args.gpus}")
     if args.gpus is not None and args.context_parallel_size > args.gpus:

@@ -95,7 +95,8 @@ class LongStrawGRPOConfig(GRPOConfig):
             Shard the weights, their gradients and the optimizer state over every rank with PyTorch's FSDP2: the
             trainer applies `fully_shard` to each decoder layer (the classes the model lists in `_no_split_modules`),
             then to the causal LM, after any PEFT wrapping (see docs/sharded-weights.md). A model already sharded with
-            `fully_shard` is used as it is, without this flag.
+            `fully_shard` is used as it is, without this flag. Composes with `context_parallel_size` (the weights
+            sharded over every rank of every CP group).
 
         > Parameters that control the LongStraw metrics
 

@@ -109,9 +109,18 @@ class ShardedPasses:
         root: the causal LM, the root `fully_shard` module.
         device: where the ranks' agreement tensor lives (the model's device: gloo on CPU, NCCL on GPU).
         group: the ranks that share the shards.
+        context_parallel_size: ranks per context-parallel group. Each holds its share of its group's gradient, so the
+            reduce-scatter's mean over every rank is multiplied by it: the sum of the shares, averaged over the
+            data-parallel ranks (FSDP2's own divide factor would take a PREMUL_SUM, which gloo lacks).
     """
 
-    def __init__(self, root: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        root: nn.Module,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+        context_parallel_size: int = 1,
+    ):
         self.root = root
         self.device = device
         self.group = group
@@ -130,6 +139,7 @@ class ShardedPasses:
         for module in root.modules():
             if module is not root and isinstance(module, FSDPModule):
                 self._hooks.append(module.register_forward_hook(self._free_after_forward))
+        self.context_parallel_size = context_parallel_size
 
     def _before_forward(self, module: nn.Module, args) -> None:
         if not self._standing_in:
@@ -185,6 +195,10 @@ class ShardedPasses:
             self._zero_pass(BACKWARD)
         finally:
             self.root.set_requires_gradient_sync(False)
+        if self.context_parallel_size > 1:
+            for param in self.root.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(self.context_parallel_size)
         self.synced_passes += 1
 
     def remove(self) -> None:

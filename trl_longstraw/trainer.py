@@ -319,7 +319,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         check_capture_matches_own_forward(self._causal_lm(self.model))
         self._positions_follow_mask = positions_follow_mask(self._causal_lm(self.model))
         # Every rank ran the same pre-flight passes; from here on the ranks holding shards agree pass by pass.
-        self._sharded = ShardedPasses(policy, self.accelerator.device, sharded_mesh_group(policy)) if sharded else None
+        self._sharded = (
+            ShardedPasses(policy, self.accelerator.device, sharded_mesh_group(policy), args.context_parallel_size)
+            if sharded
+            else None
+        )
         state_device = None if args.prompt_state_device == "auto" else torch.device(args.prompt_state_device)
         # Context parallelism (the context_parallel package): None, or this rank's CP group.
         self._context_parallel = (
@@ -429,11 +433,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 f"save_strategy={save_strategy!r} with weights sharded by FSDP2: the optimizer's sharded state is "
                 "not checkpointed, so a checkpoint could not be resumed. Set save_only_model=True (the weights, "
                 "gathered, are saved) or save_strategy='no'."
-            )
-        if args.context_parallel_size > 1:
-            raise ValueError(
-                f"context_parallel_size={args.context_parallel_size} with a model sharded by FSDP2: the two are not "
-                "composed yet. Set context_parallel_size=1 (every rank trains its own rows on the sharded weights)."
             )
 
     def _warn_non_finite(self, where: str, source: str | None = None) -> None:
