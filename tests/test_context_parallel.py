@@ -267,6 +267,7 @@ CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RECIPE_CONFIGS = [  # (recipe YAML, accelerate config, context_parallel_size)
     ("qwen3_6_27b_qlora_cp8.yaml", "cp8_8gpu.yaml", 8),
     ("qwen3_8b_lora_cp2.yaml", "cp2_2gpu.yaml", 2),
+    ("glm5_lora_fsdp2_cp8.yaml", "cp8_64gpu_8nodes.yaml", 8),  # with the weights sharded by FSDP2 over 64 ranks
 ]
 
 
@@ -291,7 +292,7 @@ def test_context_parallel_recipes_parse_with_the_recipe_parser(recipe, launcher,
     assert training.context_parallel_size == size and script.dataset_name != "embedded:needle"
     assert training.per_device_train_batch_size * training.steps_per_generation % training.num_generations == 0
     assert training.prompt_gradient == "detach" and model.lora_dropout == 0.0
-    if size == 8:  # the paper's setup: the same model as configs/qwen3_6_27b_qlora.yaml, NF4 QLoRA, G = 8
+    if recipe == "qwen3_6_27b_qlora_cp8.yaml":  # the paper's setup: the same model as configs/qwen3_6_27b_qlora.yaml, NF4 QLoRA, G = 8
         with open(os.path.join(CONFIGS, "qwen3_6_27b_qlora.yaml")) as single:
             assert model.model_name_or_path == yaml.safe_load(single)["model_name_or_path"]
         assert model.load_in_4bit and model.bnb_4bit_quant_type == "nf4" and training.num_generations == 8
