@@ -5,6 +5,7 @@ scoring and replay with the prompt sharded over the group, and saves what the te
 """
 
 import os
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -37,27 +38,31 @@ def case(seed=0, vocab=100):
     return prompt, completions, torch.tensor([COMPLETION_WIDTH, 3, 5]), weights
 
 
-def update(engine, model, prompt, completions, lengths, weights, first_position=2):
+def update(engine, model, prompt, completions, lengths, weights, first_position=2, phase=lambda name: nullcontext()):
     """Capture, score every member, replay each under autograd with a per-token upstream gradient. Under context
     parallelism each rank replays its own members (`members`, a stand-in where it has none) and the gradients are
-    summed across the group, as the trainer's reduction does."""
+    summed across the group, as the trainer's reduction does. `phase(name)`: a context for each phase (the fault
+    tests' `faults.in_phase`)."""
     model.zero_grad(set_to_none=True)
-    state = engine.capture(model, prompt, first_position=first_position)
-    if engine.prompt_gradient == "exact":
-        state.requires_grad_()
-    with torch.no_grad():
+    with phase("capture"):
+        state = engine.capture(model, prompt, first_position=first_position)
+        if engine.prompt_gradient == "exact":
+            state.requires_grad_()
+    with phase("score"), torch.no_grad():
         scored, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
     replayed = {}
-    for member in engine.members(len(completions)):
-        if member is None:
-            engine.stand_in(model, state, prompt[-1:], completions[0])
-            continue
-        length = int(lengths[member])
-        logps, _ = engine.replay(model, state, prompt[-1:], completions[member], length)
-        logps.backward(weights[member, :length])
-        replayed[member] = logps.detach()
+    with phase("replay"):
+        for member in engine.members(len(completions)):
+            if member is None:
+                engine.stand_in(model, state, prompt[-1:], completions[0])
+                continue
+            length = int(lengths[member])
+            logps, _ = engine.replay(model, state, prompt[-1:], completions[member], length)
+            logps.backward(weights[member, :length])
+            replayed[member] = logps.detach()
     if engine.prompt_gradient == "exact":
-        engine.backward_prompt(model, state, prompt)
+        with phase("prompt_backward"):
+            engine.backward_prompt(model, state, prompt)
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     if engine.lockstep:
         grads = summed_over_group(model, grads, engine.context_parallel)

@@ -21,7 +21,7 @@ from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import prepare_model
 from trl_longstraw.faults import current_phase, in_phase
 
-from .context_parallel_worker import case, rollouts
+from .context_parallel_worker import case, rollouts, update
 
 FAMILY = "qwen3_next"  # attention layers feeding GatedDeltaNet layers: every kind of hand-off, both directions
 PHASES = ("capture", "score", "replay", "prompt_backward", "rollout")
@@ -48,30 +48,16 @@ def inject(phase: str, fault: str, out_dir: str) -> None:
     ContextParallelGroup._collective = faulty
 
 
-def update(cp) -> None:
+def update_and_roll_out(cp) -> None:
     """One exact-mode update, phase by phase, then a rollout from a sharded state."""
     from transformers import GenerationConfig
 
     model = build_model(FAMILY, seed=0)
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    prompt, completions, lengths, weights = case()
     engine = ContextParallelEngine(8, 4, prompt_gradient="exact", context_parallel=cp)
-    with in_phase("capture"):
-        state = engine.capture(model, prompt, first_position=2)
-        state.requires_grad_()
-    with in_phase("score"), torch.no_grad():
-        engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
-    with in_phase("replay"):
-        for member in engine.members(len(completions)):
-            if member is None:
-                engine.stand_in(model, state, prompt[-1:], completions[0])
-                continue
-            length = int(lengths[member])
-            logps, _ = engine.replay(model, state, prompt[-1:], completions[member], length)
-            logps.backward(weights[member, :length])
-    with in_phase("prompt_backward"):
-        engine.backward_prompt(model, state, prompt)
+    prompt, completions, lengths, weights = case()
+    update(engine, model, prompt, completions, lengths, weights, phase=in_phase)
     config = GenerationConfig(max_new_tokens=4, pad_token_id=0, eos_token_id=[1], do_sample=False)
     with in_phase("rollout"), torch.no_grad():
         rollouts(engine, model, [prompt], 2, config)
@@ -85,7 +71,7 @@ def run(rank, world_size, init_file, out_dir, phase, fault, faulty_rank, timeout
     if rank == faulty_rank:
         inject(phase, fault, out_dir)
     try:
-        update(cp)
+        update_and_roll_out(cp)
         outcome = {"error": None}
     except BaseException as error:
         outcome = {"error": type(error).__name__, "message": str(error), "notes": getattr(error, "__notes__", [])}
