@@ -60,11 +60,14 @@ def char_code_reward(completions, **kwargs):
 
 
 def written_rollout(prompts, trainer):
-    """Completions of 2-5 letters and EOS, a function of the prompt and the member's index in its group."""
+    """Completions of 2-5 letters and EOS, a function of the prompt and the member's index in its group. A generation
+    batch is whole groups of consecutive rows dealt to the data-parallel ranks in order, so a row's member index is
+    its index in the whole batch modulo the group size, whichever rank holds it."""
     tokenizer = trainer.processing_class
-    prompt_ids, completion_ids, seen = [], [], {}
-    for prompt in prompts:
-        member = seen[prompt] = seen.get(prompt, -1) + 1
+    first = trainer.accelerator.process_index // trainer.args.context_parallel_size * len(prompts)
+    prompt_ids, completion_ids = [], []
+    for index, prompt in enumerate(prompts):
+        member = (first + index) % trainer.num_generations
         letters = "".join(
             chr(97 + (len(prompt) * 7 + member * 3 + j) % 26) for j in range(2 + (len(prompt) + member) % 4)
         )
@@ -130,7 +133,6 @@ def worker_args(world: int, context_parallel_size: int = 1, **settings) -> LongS
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=6 // (world // context_parallel_size),
         context_parallel_size=context_parallel_size,
-        num_generations=3,
         learning_rate=1e-3,
         logging_steps=1,
         report_to="none",
@@ -149,9 +151,14 @@ def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
+    # "ragged": groups of 4 over micro-steps of 3 rows per rank, one-token prompts, an evaluation ("ragged_unsharded":
+    # the same on 2 data-parallel ranks without FSDP2, whose eval loss the sharded run's must equal)
+    ragged = route.startswith("ragged")
     args = worker_args(
         world,
         2 if world > 1 and route == "context_parallel" else 1,
+        num_generations=4 if ragged else 3,
+        per_device_eval_batch_size=4,  # one group per eval batch on every run: the eval loss is a mean over batches
         gradient_accumulation_steps=2,
         max_completion_length=6,
         max_steps=1 if rollout else 3,
@@ -159,7 +166,7 @@ def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
         prefill_chunk_size=8,
         attention_chunk_size=8,
         generation_kwargs={"top_k": 1} if rollout else None,
-        shard_weights=world > 1 and route != "fully_shard",
+        shard_weights=world > 1 and route not in ("fully_shard", "ragged_unsharded"),
         beta=0.04 if route == "lora" else 0.0,
     )
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if route == "lora" else None
@@ -167,7 +174,7 @@ def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
         model=model,
         reward_funcs=char_code_reward,
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        train_dataset=Dataset.from_dict({"prompt": ["k", "?", *PROMPTS] if ragged else PROMPTS}),
         processing_class=build_tokenizer(),
         rollout_func=None if rollout else written_rollout,
         peft_config=lora,
@@ -204,6 +211,9 @@ def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
         "collectives": {name: COLLECTIVES[name] - counted_before[name] for name in COLLECTIVES},
         "sharded_modules": sharded_modules_that_train(trainer.model),
     }
+    if ragged:  # after the bytes are counted: FSDP2 keeps the root module gathered after its forward
+        evaluated = trainer.evaluate(Dataset.from_dict({"prompt": ["k", *PROMPTS[:3]]}))
+        report["eval"] = {key: evaluated[key] for key in ("eval_loss", "eval_reward")}
     return report
 
 
@@ -213,6 +223,7 @@ def tool_rollout() -> dict:
     tokenizer = build_tool_calling_tokenizer()
     args = worker_args(
         world,
+        num_generations=3,
         max_completion_length=48,
         max_steps=1,
         prefill_chunk_size=128,

@@ -20,7 +20,8 @@ from .test_distributed import free_port
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
 
 
-def launch(tmp_path, family: str, route: str, launcher: str, processes: int = 2) -> None:
+def launch(tmp_path, family: str, route: str, launcher: str, processes: int = 2, single: bool = True) -> None:
+    """`fsdp_worker.py` on `processes` ranks and, with `single`, alone in one process beside them."""
     env = dict(os.environ, PYTHONPATH=os.getcwd(), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     binaries = os.path.dirname(sys.executable)
     if launcher == "torchrun":
@@ -31,11 +32,14 @@ def launch(tmp_path, family: str, route: str, launcher: str, processes: int = 2)
         command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
         command += ["--main_process_port", str(free_port())]
     runs = [
-        subprocess.Popen([*command, WORKER, str(tmp_path), family, route], env=env, stderr=subprocess.PIPE, text=True),
-        subprocess.Popen(
-            [sys.executable, WORKER, str(tmp_path), family, route], env=env, stderr=subprocess.PIPE, text=True
-        ),
+        subprocess.Popen([*command, WORKER, str(tmp_path), family, route], env=env, stderr=subprocess.PIPE, text=True)
     ]
+    if single:
+        runs.append(
+            subprocess.Popen(
+                [sys.executable, WORKER, str(tmp_path), family, route], env=env, stderr=subprocess.PIPE, text=True
+            )
+        )
     for run in runs:
         _, stderr = run.communicate(timeout=600)
         assert run.returncode == 0, stderr[-4000:]
@@ -101,6 +105,23 @@ def test_four_fsdp2_ranks_in_two_context_parallel_groups_take_the_single_process
         assert_takes_the_single_process_steps(single, sharded, shards=4)
     # the greedy rollouts: each CP group's two ranks decode the same rows, together those of one process
     assert sorted(sharded["rollout"]["completions"]) == sorted(2 * single["rollout"]["completions"])
+
+
+@pytest.mark.slow
+def test_groups_across_ranks_one_token_prompts_and_evaluation_under_fsdp2_take_the_single_process_steps(tmp_path):
+    """Groups of 4 over micro-steps of 3 rows per rank (a group spans micro-steps and ranks), one-token prompts in the
+    data, and an evaluation after training: the single-process steps, and the eval metrics of 2 data-parallel ranks
+    without FSDP2 (TRL's eval loss is a mean of per-batch losses over the ranks' batches: it depends on how the eval
+    rows are dealt to ranks, not on the sharding)."""
+    launch(tmp_path, "qwen3", "ragged", "torchrun")
+    launch(tmp_path, "qwen3", "ragged_unsharded", "torchrun", single=False)
+    single = torch.load(tmp_path / "qwen3-ragged-world1-rank0.pt")
+    unsharded = torch.load(tmp_path / "qwen3-ragged_unsharded-world2-rank0.pt")
+    for rank in range(2):
+        sharded = torch.load(tmp_path / f"qwen3-ragged-world2-rank{rank}.pt")
+        assert_takes_the_single_process_steps(single, sharded, shards=2)
+        for mode in ("detach", "exact"):
+            assert sharded[mode]["eval"] == pytest.approx(unsharded[mode]["eval"], rel=1e-5), mode
 
 
 @pytest.mark.slow
