@@ -292,7 +292,8 @@ def test_context_parallel_recipes_parse_with_the_recipe_parser(recipe, launcher,
     assert training.context_parallel_size == size and script.dataset_name != "embedded:needle"
     assert training.per_device_train_batch_size * training.steps_per_generation % training.num_generations == 0
     assert training.prompt_gradient == "detach" and model.lora_dropout == 0.0
-    if recipe == "qwen3_6_27b_qlora_cp8.yaml":  # the paper's setup: the same model as configs/qwen3_6_27b_qlora.yaml, NF4 QLoRA, G = 8
+    # the paper's setup: the same model as configs/qwen3_6_27b_qlora.yaml, NF4 QLoRA, G = 8
+    if recipe == "qwen3_6_27b_qlora_cp8.yaml":
         with open(os.path.join(CONFIGS, "qwen3_6_27b_qlora.yaml")) as single:
             assert model.model_name_or_path == yaml.safe_load(single)["model_name_or_path"]
         assert model.load_in_4bit and model.bnb_4bit_quant_type == "nf4" and training.num_generations == 8
