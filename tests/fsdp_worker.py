@@ -151,8 +151,9 @@ def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
-    # "ragged": groups of 4 over micro-steps of 3 rows per rank, one-token prompts, an evaluation ("ragged_unsharded":
-    # the same on 2 data-parallel ranks without FSDP2, whose eval loss the sharded run's must equal)
+    # "ragged": groups of 4 over micro-steps of 3 rows per rank, one-token prompts, an evaluation; "load_balancing": the
+    # MoE load-balancing loss. "<route>_unsharded": the same on data-parallel ranks without FSDP2 (what the sharded
+    # run must equal where one process is not the reference: TRL's eval loss and load-balancing loss are per-rank)
     ragged = route.startswith("ragged")
     args = worker_args(
         world,
@@ -166,7 +167,8 @@ def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
         prefill_chunk_size=8,
         attention_chunk_size=8,
         generation_kwargs={"top_k": 1} if rollout else None,
-        shard_weights=world > 1 and route not in ("fully_shard", "ragged_unsharded"),
+        shard_weights=world > 1 and route != "fully_shard" and not route.endswith("_unsharded"),
+        router_aux_loss_coef=0.5 if route.startswith("load_balancing") else None,
         beta=0.04 if route == "lora" else 0.0,
     )
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if route == "lora" else None
@@ -193,6 +195,7 @@ def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
     state = [value for per_param in trainer.optimizer.state.values() for value in per_param.values() if value.dim()]
     report = {
         "loss": [entry["loss"] for entry in logged],
+        "aux_loss": [entry.get("aux_loss") for entry in logged],
         "grad_norm": [entry["grad_norm"] for entry in logged],
         "weights": trainable_weights(trainer.model),
         "initial": initial,

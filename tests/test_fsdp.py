@@ -125,6 +125,21 @@ def test_groups_across_ranks_one_token_prompts_and_evaluation_under_fsdp2_take_t
 
 
 @pytest.mark.slow
+def test_the_moe_load_balancing_loss_under_fsdp2_trains_as_on_unsharded_ranks(tmp_path):
+    """Qwen3-MoE with TRL's load-balancing loss (router_aux_loss_coef=0.5): TRL computes it over each rank's rows, so
+    the reference is the same 2 data-parallel ranks without FSDP2, not one process."""
+    launch(tmp_path, "qwen3_moe", "load_balancing", "torchrun", single=False)
+    launch(tmp_path, "qwen3_moe", "load_balancing_unsharded", "torchrun", single=False)
+    for rank in range(2):
+        unsharded = torch.load(tmp_path / f"qwen3_moe-load_balancing_unsharded-world2-rank{rank}.pt")
+        sharded = torch.load(tmp_path / f"qwen3_moe-load_balancing-world2-rank{rank}.pt")
+        assert_takes_the_single_process_steps(unsharded, sharded, shards=2)
+        for mode in ("detach", "exact"):
+            assert None not in unsharded[mode]["aux_loss"]  # the loss is on
+            assert sharded[mode]["aux_loss"] == pytest.approx(unsharded[mode]["aux_loss"], rel=1e-5), mode
+
+
+@pytest.mark.slow
 def test_tool_calling_under_fsdp2_decodes_the_single_process_turns(tmp_path):
     """Greedy rollouts of the tool-calling model through TRL's tool loop: the ranks' rows may take different numbers
     of turns, and the generation ends for every rank after the loop (the trainer's `_tool_call_loop`)."""
