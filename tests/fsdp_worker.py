@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 from peft import LoraConfig
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
@@ -147,17 +148,22 @@ def worker_args(world: int, context_parallel_size: int = 1, **settings) -> LongS
 def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
     model = build_model(family, seed=0)
-    if world > 1 and route == "fully_shard":
+    if world > 1 and route in ("fully_shard", "hybrid_shard"):
+        # "hybrid_shard": 4 ranks, FSDP2 inside each context-parallel group of 2 (the mesh's rows), replicated across
+        # the groups (its columns)
+        mesh = (
+            init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if route == "hybrid_shard" else None
+        )
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     # "ragged": groups of 4 over micro-steps of 3 rows per rank, one-token prompts, an evaluation; "load_balancing": the
     # MoE load-balancing loss. "<route>_unsharded": the same on data-parallel ranks without FSDP2 (what the sharded
     # run must equal where one process is not the reference: TRL's eval loss and load-balancing loss are per-rank)
     ragged = route.startswith("ragged")
     args = worker_args(
         world,
-        2 if world > 1 and route == "context_parallel" else 1,
+        2 if world > 1 and route in ("context_parallel", "hybrid_shard") else 1,
         num_generations=4 if ragged else 3,
         per_device_eval_batch_size=4,  # one group per eval batch on every run: the eval loss is a mean over batches
         gradient_accumulation_steps=2,
@@ -167,7 +173,7 @@ def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
         prefill_chunk_size=8,
         attention_chunk_size=8,
         generation_kwargs={"top_k": 1} if rollout else None,
-        shard_weights=world > 1 and route != "fully_shard" and not route.endswith("_unsharded"),
+        shard_weights=world > 1 and route not in ("fully_shard", "hybrid_shard") and not route.endswith("_unsharded"),
         router_aux_loss_coef=0.5 if route.startswith("load_balancing") else None,
         beta=0.04 if route == "lora" else 0.0,
     )

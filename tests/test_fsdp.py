@@ -95,16 +95,20 @@ def test_two_fsdp2_ranks_take_the_single_process_steps(tmp_path, family, route, 
 
 @pytest.mark.slow
 def test_four_fsdp2_ranks_in_two_context_parallel_groups_take_the_single_process_steps(tmp_path):
-    """World 4 = 2 data-parallel x context_parallel_size=2, the weights sharded over all 4 (FSDP2 over the flattened
-    mesh): each CP group shares one prompt and its ranks their members and chunks, in step with the other group's
-    passes; the reduce-scatter's mean times the CP size is the data-parallel mean of each group's gradient."""
+    """World 4 = 2 data-parallel x context_parallel_size=2, two meshes: the trainer's `shard_weights` (FSDP2 over all
+    4 ranks, the flattened mesh) and a model hybrid-sharded before the trainer (a 2D mesh: 2 shards inside each CP
+    group, replicated across the groups). Each CP group shares one prompt and its ranks their members and chunks, in
+    step with the other group's passes; the reduced mean times the CP size is the data-parallel mean of each group's
+    gradient."""
     launch(tmp_path, "qwen3", "context_parallel", "torchrun", processes=4)
-    single = torch.load(tmp_path / "qwen3-context_parallel-world1-rank0.pt")
-    for rank in range(4):
-        sharded = torch.load(tmp_path / f"qwen3-context_parallel-world4-rank{rank}.pt")
-        assert_takes_the_single_process_steps(single, sharded, shards=4)
-    # the greedy rollouts: each CP group's two ranks decode the same rows, together those of one process
-    assert sorted(sharded["rollout"]["completions"]) == sorted(2 * single["rollout"]["completions"])
+    launch(tmp_path, "qwen3", "hybrid_shard", "torchrun", processes=4, single=False)
+    single = torch.load(tmp_path / "qwen3-context_parallel-world1-rank0.pt")  # one process: the same for both routes
+    for route, shards in (("context_parallel", 4), ("hybrid_shard", 2)):
+        for rank in range(4):
+            sharded = torch.load(tmp_path / f"qwen3-{route}-world4-rank{rank}.pt")
+            assert_takes_the_single_process_steps(single, sharded, shards=shards)
+        # the greedy rollouts: each CP group's two ranks decode the same rows, together those of one process
+        assert sorted(sharded["rollout"]["completions"]) == sorted(2 * single["rollout"]["completions"])
 
 
 @pytest.mark.slow

@@ -37,8 +37,9 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def shard_count(model: nn.Module) -> int:
-    """The ranks `model`'s DTensor parameters are sharded over (the first one's mesh), 1 if it has none."""
-    return next((param.device_mesh.size() for param in model.parameters() if isinstance(param, DTensor)), 1)
+    """The ranks each of `model`'s DTensor parameters is split over (the first one's mesh: its last dimension, which
+    is FSDP2's shard dimension on a 2D hybrid-sharding mesh), 1 if it has none."""
+    return next((param.device_mesh.size(-1) for param in model.parameters() if isinstance(param, DTensor)), 1)
 
 
 def check_sharded_layout(causal_lm: nn.Module) -> None:
@@ -90,14 +91,16 @@ def fully_shard_model(causal_lm: nn.Module) -> None:
 
 
 def sharded_mesh_group(causal_lm: nn.Module) -> dist.ProcessGroup:
-    """The process group of the ranks that share the parameters' shards: the whole world (a mesh over a subset of
-    the ranks, e.g. FSDP2 inside each context-parallel group, is refused)."""
-    shards = shard_count(causal_lm)
-    if shards != dist.get_world_size():
+    """The process group of the ranks whose passes are kept in step: the whole world, which the parameters' mesh
+    must span (1D: the shards over every rank; 2D hybrid sharding: replicas x shards, e.g. FSDP2 inside each
+    context-parallel group, replicated across the groups). A mesh over a subset of the ranks is refused."""
+    mesh = next(param.device_mesh for param in causal_lm.parameters() if isinstance(param, DTensor))
+    if mesh.size() != dist.get_world_size():
         raise ValueError(
-            f"The parameters are sharded over {shards} of the {dist.get_world_size()} ranks. "
-            "LongStrawGRPOTrainer shards over every rank: build the mesh with all of them "
-            "(`init_device_mesh(device_type, (world_size,))`, fully_shard's default)."
+            f"The parameters' device mesh spans {mesh.size()} of the {dist.get_world_size()} ranks. "
+            "LongStrawGRPOTrainer keeps every rank in step: build the mesh over all of them "
+            "(`init_device_mesh(device_type, (world_size,))`, fully_shard's default, or a 2D "
+            "`(replicas, shards)` mesh for hybrid sharding)."
         )
     return dist.group.WORLD
 
