@@ -92,17 +92,16 @@ def train_with_a_stalled_rank(out_dir: str, timeout_s: int) -> None:
     from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
     from trl_longstraw.embedded import build_tokenizer
 
+    from .conftest import trainer_args
     from .context_parallel_trainer_worker import PROMPTS, char_code_reward
 
-    args = LongStrawGRPOConfig(
-        output_dir=tempfile.mkdtemp(),
+    args = trainer_args(
+        LongStrawGRPOConfig,
+        tempfile.mkdtemp(),
         per_device_train_batch_size=3,
         num_generations=3,
         max_completion_length=5,
         max_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
         prompt_gradient="exact",
         prefill_chunk_size=8,
         attention_chunk_size=8,
