@@ -29,7 +29,7 @@ PHASES = ("capture", "score", "replay", "prompt_backward", "rollout")
 
 def inject(phase: str, fault: str, out_dir: str) -> None:
     """Make this rank fail at its second collective in `phase`."""
-    original = ContextParallelGroup._collective
+    original = ContextParallelGroup.guarded
     seen = []
 
     def faulty(self, kind):
@@ -45,7 +45,7 @@ def inject(phase: str, fault: str, out_dir: str) -> None:
                 time.sleep(3600)  # stall: alive, never answering
         return original(self, kind)
 
-    ContextParallelGroup._collective = faulty
+    ContextParallelGroup.guarded = faulty
 
 
 def update_and_roll_out(cp) -> None:

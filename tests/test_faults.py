@@ -182,6 +182,11 @@ def test_non_finite_values_are_named_and_the_step_goes_on_as_stocks(fresh_model,
     source = "optimizer step 1, the first non-finite output: the input embeddings)"
     assert f"the scored log-probs, group 1, member 1 (LongStraw phase 'score', {source}" in messages[0], messages
     assert any(f"the replayed log-probs, group 1, member 1 (LongStraw phase 'replay', {source}" in m for m in messages)
+    # the reduced gradients, checked before the Trainer's clipping would spread the NaN to every one of them
+    assert any(
+        "in the gradients (optimizer step 1, the first non-finite output: the gradient of model." in m
+        for m in messages
+    )
     assert torch.isnan(got) == torch.isnan(want)
     finite = {name: bool(torch.isfinite(grad).all()) for name, grad in grads_of(ours.model).items()}
     assert finite == {name: bool(torch.isfinite(grad).all()) for name, grad in grads_of(stock.model).items()}

@@ -158,7 +158,7 @@ def test_sigterm_in_a_step_or_in_a_save_leaves_a_complete_checkpoint_and_resumin
     for run, process in runs.items():
         stderr = finish(process, tmp_path / f"{run}.log", timeout=300)
         assert process.returncode == 1, stderr[-4000:]
-        assert "trl_longstraw.preemption.Preempted: SIGTERM received" in stderr, stderr[-4000:]
+        assert "trl_longstraw.faults.Preempted: SIGTERM received" in stderr, stderr[-4000:]
         if run == "replay":
             assert "during optimizer step 3 (LongStraw phase 'replay')" in stderr
         else:
@@ -200,7 +200,7 @@ def test_sigterm_to_a_context_parallel_launch_stops_both_ranks_and_resuming_ends
     stderr = finish(process, log, timeout=120)
     assert process.returncode != 0, stderr[-4000:]
     for rank in range(2):
-        assert f"[rank{rank}]: trl_longstraw.preemption.Preempted: SIGTERM received during optimizer step 3" in stderr
+        assert f"[rank{rank}]: trl_longstraw.faults.Preempted: SIGTERM received during optimizer step 3" in stderr
         assert f"[rank{rank}]: The last complete checkpoint: {interrupted / 'checkpoint-2'}." in stderr
     assert checkpoints(interrupted) == {"checkpoint-2"}
 

@@ -39,6 +39,11 @@ class RankFailure(RuntimeError):
     """A collective of a LongStraw phase failed because a peer rank failed, exited or stopped answering."""
 
 
+class Preempted(RuntimeError):
+    """Training stopped on a termination signal (SIGTERM), at once or after the checkpoint save in progress
+    (`preemption.PreemptionCallback`)."""
+
+
 class PhaseOutOfMemoryError(torch.OutOfMemoryError):
     """An allocation failed in a LongStraw phase: the message says where, at what size, and what would fit."""
 
@@ -61,17 +66,18 @@ def in_phase(name: str, explain: Callable[[str], str] | None = None) -> Iterator
     token = _PHASE.set(name)
     try:
         yield
+    except GeneratorExit:  # the phase's generator closed unfinished: no failure of the phase
+        raise
     except BaseException as error:
         if isinstance(error, RankFailure | PhaseOutOfMemoryError):
             raise
         if explain is not None and is_out_of_memory(error):
+            report_failure(f"ran out of memory (phase {name!r})")  # before the explanation, which plans the run
             try:
                 text = explain(name)
             except Exception as failure:  # noqa: BLE001 (no plan for this model: say what is known)
                 text = f"Out of memory in LongStraw phase {name!r} (no memory plan: {failure})"
-            explained = PhaseOutOfMemoryError(f"{text}\n(allocator: {_first_line(error)})")
-            report_failure(f"ran out of memory (phase {name!r})")
-            raise explained from error
+            raise PhaseOutOfMemoryError(f"{text}\n(allocator: {_first_line(error)})") from error
         report_failure(f"raised {type(error).__name__}: {_first_line(error)} (phase {name!r})")
         if not any("LongStraw phase" in note for note in getattr(error, "__notes__", ())):
             error.add_note(f"LongStraw phase {name!r}, rank {_global_rank()}")
@@ -107,6 +113,18 @@ def report_failure(description: str) -> None:
         pass
 
 
+def forget_reports() -> None:
+    """A new run in this process: its first failure is reported again, and no earlier report of this rank stands."""
+    global _reported
+    _reported = False
+    store = _store()
+    if store is not None:
+        try:
+            store.delete_key(REPORT_KEY.format(rank=_global_rank()))
+        except (RuntimeError, ValueError):
+            pass
+
+
 def peer_reports(ranks: list[int], grace_s: float = REPORT_GRACE_S) -> dict[int, str | None]:
     """What each of `ranks` reported, waiting up to `grace_s` for the missing ones (None: no report)."""
     store = _store()
@@ -134,7 +152,8 @@ def collective(kind: str, group: dist.ProcessGroup | None = None, timeout: timed
     try:
         yield
     except RuntimeError as error:
-        if isinstance(error, RankFailure):
+        # a peer's failure is already named; a signal's or an allocation's is this rank's own, named by `in_phase`
+        if isinstance(error, RankFailure | Preempted) or is_out_of_memory(error):
             raise
         phase = current_phase()
         me = _global_rank()
@@ -186,16 +205,18 @@ class OutputFiniteness:
     def __init__(self, modules: list[tuple[str, nn.Module]]):
         self.names = [name for name, _ in modules]
         self._flags: torch.Tensor | None = None
-        self._hooks = [module.register_forward_hook(self._hook(index)) for index, (_, module) in enumerate(modules)]
+        for index, (_, module) in enumerate(modules):
+            module.register_forward_hook(self._hook(index))
 
     def _hook(self, index: int):
         def record(module: nn.Module, args, output) -> None:
             tensor = output if isinstance(output, torch.Tensor) else output[0]
             if not (isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
                 return
-            if self._flags is None or self._flags.device != tensor.device:
+            finite = torch.isfinite(tensor.detach()).all()
+            if self._flags is None:  # on the first output's device; outputs on others (device_map) are moved to it
                 self._flags = torch.ones(len(self.names), dtype=torch.bool, device=tensor.device)
-            self._flags[index] &= torch.isfinite(tensor.detach()).all()
+            self._flags[index].logical_and_(finite.to(self._flags.device))
 
         return record
 
@@ -206,7 +227,3 @@ class OutputFiniteness:
         flags, self._flags = self._flags.cpu(), None
         bad = (~flags).nonzero()
         return self.names[int(bad[0])] if len(bad) else None
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()

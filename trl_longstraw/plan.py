@@ -470,14 +470,19 @@ def explain_out_of_memory(
     budget: int,
     stock_rows: int,
     exact: bool = False,
+    weight_shards: int = 1,
 ) -> str:
-    """What an allocation failure in `phase` says: the run's size and settings, the plan's predicted state and peak,
-    and each single setting that would fit (`_suggestions`). Where the plan itself fits `budget` (it does not model
+    """What an allocation failure in `phase` says: the run's size and settings (`weight_shards`: the ranks FSDP2 splits
+    each weight over), the plan's predicted state and peak, and each single setting that would fit (`_suggestions`). Where the plan itself fits `budget` (it does not model
     everything: exact mode's prompt backward, other processes on the device), the settings that cut its predicted
     peak by a quarter."""
-    plan = plan_run(config, setup, context_parallel, budget, stock_rows, suggest=False)
-    target = plan if not plan.fits else dataclasses.replace(plan, budget=int(plan.device_bytes * 0.75))
-    suggestions = _suggestions(config, target, stock_rows, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' and PEFT's notes while building the meta-device skeletons
+        plan = plan_run(
+            config, setup, context_parallel, budget, stock_rows, suggest=False, weight_shards=weight_shards
+        )
+        target = plan if not plan.fits else dataclasses.replace(plan, budget=int(plan.device_bytes * 0.75))
+        suggestions = _suggestions(config, target, stock_rows, None)
     state = "fp8 pages" if setup.state_dtype == "float8_e4m3fn" else "the model's dtype"
     lines = [
         (

@@ -44,14 +44,12 @@ from types import CodeType, FrameType
 from transformers import TrainerCallback
 from transformers import trainer_callback as _trainer_callback
 
-from .faults import current_phase
+from .faults import Preempted, current_phase
 from .telemetry import PHASES
 
 logger = logging.getLogger(__name__)
 
-
-class Preempted(RuntimeError):
-    """Training stopped on a termination signal (SIGTERM), at once or after the checkpoint save in progress."""
+__all__ = ["Preempted", "PreemptionCallback"]
 
 
 class PreemptionCallback(TrainerCallback):

@@ -47,8 +47,15 @@ from .context_parallel import (
 )
 from .distributed import average_gradients
 from .engine import stock_attention, weights_version
-from .faults import OutputFiniteness, in_phase, warn_non_finite
-from .fsdp import ShardedPasses, check_sharded_layout, fully_shard_model, is_sharded, sharded_mesh_group
+from .faults import OutputFiniteness, collective, forget_reports, in_phase, warn_non_finite
+from .fsdp import (
+    ShardedPasses,
+    check_sharded_layout,
+    fully_shard_model,
+    is_sharded,
+    shard_count,
+    sharded_mesh_group,
+)
 from .load_balancing import moe_routing
 from .loss import member_backward, replayed_scores
 from .plan import GIB, explain_out_of_memory, memory_budget, plan_at_construction, trainer_setup
@@ -199,6 +206,7 @@ class _LongStrawCallback(TrainerCallback):
         return wandb.run
 
     def on_train_begin(self, args, state, control, **kwargs):
+        forget_reports()  # a failure of an earlier train() in this process is not this run's
         plan = self.trainer._memory_plan
         run = self._wandb_run(args, state)
         if plan is not None and run is not None:
@@ -232,7 +240,6 @@ class _LongStrawCallback(TrainerCallback):
             self.span.__exit__(None, None, None)
         self.span = self.trainer._phase("optimizer")
         self.span.__enter__()
-        self.trainer._check_gradients()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.span is not None:
@@ -438,10 +445,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _warn_non_finite(self, where: str, source: str | None = None) -> None:
         """`faults.warn_non_finite` in the optimizer step in progress; `source` by default the first module whose
         output was not finite since the last warning (`OutputFiniteness`)."""
-        warn_non_finite(where, self.state.global_step + 1, source or self._finiteness.first_non_finite())
+        first = self._finiteness.first_non_finite()  # read (and reset) whether or not `source` names it
+        warn_non_finite(where, self.state.global_step + 1, source or first)
 
     def _check_gradients(self) -> None:
-        """Warn naming the first parameter whose gradient holds NaN or inf (one synchronisation per optimizer step)."""
+        """Warn naming the first parameter whose gradient holds NaN or inf (one synchronisation per optimizer step,
+        once the window's gradients are reduced)."""
         named = [  # FSDP2: each rank checks its own shards
             (name, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
             for name, p in self.model.named_parameters()
@@ -449,7 +458,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         ]
         if not named:
             return
-        finite = torch.stack([torch.isfinite(grad).all().to(named[0][1].device) for _, grad in named]).cpu()
+        norms = torch._foreach_norm([grad for _, grad in named], float("inf"))  # one fused pass, NaN stays NaN
+        finite = torch.stack([norm.to(norms[0].device) for norm in norms]).isfinite().cpu()
         if not bool(finite.all()):
             self._warn_non_finite("the gradients", f"the gradient of {named[int((~finite).nonzero()[0])][0]}")
 
@@ -486,6 +496,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             memory_budget(device, args.memory_plan_device_gib),
             args.per_device_train_batch_size,
             exact=args.prompt_gradient == "exact",
+            weight_shards=shard_count(causal_lm),
         )
 
     def _flush_telemetry(self, mode: str) -> None:
@@ -554,7 +565,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             self._prompt_tokens = len(group.prompt_ids)  # what an allocation failure names
             state = self.engine.capture(causal_lm, group.prompt_ids, group.first_position)
             if not state.all_finite():  # checked as each chunk was written; one device sync here
-                self._warn_non_finite("the captured prompt state", state.first_non_finite_layer())
+                source = self._finiteness.first_non_finite() or state.first_non_finite_layer()  # fp8 overflow
+                self._warn_non_finite("the captured prompt state", source)
         self._telemetry.record_state(state.nbytes(), self._mode())
         return state
 
@@ -774,10 +786,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 self._sharded.finish_phase()
                 if self.accelerator.sync_gradients:
                     self._sharded.reduce_gradients()
+                    self._check_gradients()
                 return
             self._give_every_reached_parameter_a_gradient(causal_lm, groups, completion_ids, replayed)
             if self.accelerator.sync_gradients:  # over every rank (under CP too: `build_context_parallel_group`)
                 average_gradients(self._reached, shares=self.args.context_parallel_size)
+                self._check_gradients()  # reduced, before the Trainer's clipping spreads a NaN to every gradient
 
     def _give_every_reached_parameter_a_gradient(self, causal_lm, groups, completion_ids, replayed: bool) -> None:
         """Zero `.grad` for every parameter a backward reaches and that none reached this time, as stock's would be.
@@ -805,7 +819,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             device=self.accelerator.device,
         )
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(reached, op=torch.distributed.ReduceOp.MAX)
+            with collective("agreement on the parameters reached"):
+                torch.distributed.all_reduce(reached, op=torch.distributed.ReduceOp.MAX)
         self._reached = [p for p, hit in zip(trainable, reached.tolist(), strict=True) if hit]
         for param in self._reached:
             if param.grad is None:

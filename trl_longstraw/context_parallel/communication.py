@@ -59,7 +59,8 @@ class ContextParallelGroup:
     def of(cls, group: dist.ProcessGroup | None = None, timeout: timedelta | None = None) -> ContextParallelGroup:
         return cls(group, dist.get_rank(group), dist.get_world_size(group), communication_device(group), timeout)
 
-    def _collective(self, kind: str):
+    def guarded(self, kind: str):
+        """A context for one collective of this group (`faults.collective`, with the group's timeout)."""
         return collective(kind, self.group, self.timeout)
 
     def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -75,14 +76,14 @@ class ContextParallelGroup:
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, kind: str = "all_reduce") -> torch.Tensor:
         COMMUNICATION[kind] += tensor.numel()
-        with self._collective(kind):
+        with self.guarded(kind):
             return self._in_place(lambda wire: dist.all_reduce(wire, op=op, group=self.group), tensor)
 
     def broadcast(self, tensor: torch.Tensor, source: int, kind: str = "broadcast") -> torch.Tensor:
         """`tensor` as `source` has it, on every rank; the source's own tensor is never written (it may be a view of
         an activation autograd saved: an in-place write through a wire copy would bump its version)."""
         COMMUNICATION[kind] += tensor.numel()
-        with self._collective(kind):
+        with self.guarded(kind):
             if self.rank == source:
                 dist.broadcast(self._wire(tensor), group=self.group, group_src=source)
                 return tensor
@@ -93,7 +94,7 @@ class ContextParallelGroup:
         wire = self._wire(tensor)
         gathered = [torch.empty_like(wire) for _ in range(self.size)]
         COMMUNICATION[kind] += tensor.numel() * (self.size - 1)
-        with self._collective(kind):
+        with self.guarded(kind):
             dist.all_gather(gathered, wire, group=self.group)
         return [piece.to(tensor.device) for piece in gathered]
 
@@ -102,7 +103,7 @@ class ContextParallelGroup:
         wires = [self._wire(tensor) for tensor in tensors]
         received = [torch.empty_like(wire) for wire in wires]
         COMMUNICATION[kind] += sum(tensor.numel() for rank, tensor in enumerate(tensors) if rank != self.rank)
-        with self._collective(kind):
+        with self.guarded(kind):
             dist.all_to_all(received, wires, group=self.group)
         return [piece.to(tensors[0].device) for piece in received]
 
@@ -111,7 +112,7 @@ class ContextParallelGroup:
         waiting for the receiver: the requests, to wait on (the wire tensors are kept with them)."""
         header, wire = _header(tensor, self.device), self._wire(tensor.detach())
         COMMUNICATION["send"] += tensor.numel()
-        with self._collective("send"):
+        with self.guarded("send"):
             requests = [dist.isend(piece, group=self.group, group_dst=destination) for piece in (header, wire)]
         return [(request, header, wire) for request in requests]
 
@@ -120,26 +121,26 @@ class ContextParallelGroup:
         (`receive_tagged`): the request and the wire tensor, to wait on."""
         wire = self._wire(tensor.detach())
         COMMUNICATION["send"] += tensor.numel()
-        with self._collective("send"):
+        with self.guarded("send"):
             return [(dist.isend(wire, group=self.group, group_dst=destination, tag=tag), wire)]
 
     def wait(self, sending: list) -> None:
         """Wait until the sends of `send_async` or `send_tagged` (their requests) have gone out."""
-        with self._collective("send"):
+        with self.guarded("send"):
             for request, *_ in sending:
                 request.wait()
 
     def receive_tagged(self, like: torch.Tensor, source: int, tag: int) -> torch.Tensor:
         """What `send_tagged` sent with `tag`, into a tensor like `like` (on `like`'s device)."""
         wire = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-        with self._collective(f"receive from group rank {source}"):
+        with self.guarded(f"receive from group rank {source}"):
             dist.recv(wire, group=self.group, group_src=source, tag=tag)
         return wire.to(like.device)
 
     def receive(self, source: int) -> torch.Tensor:
         """The tensor `send_async` sent, on `device` (the caller moves it where it is kept)."""
         header = torch.empty(8, dtype=torch.int64, device=self.device)
-        with self._collective(f"receive from group rank {source}"):
+        with self.guarded(f"receive from group rank {source}"):
             dist.recv(header, group=self.group, group_src=source)
             tensor = _allocated(header, self.device)
             dist.recv(tensor, group=self.group, group_src=source)

@@ -12,7 +12,6 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from ..faults import collective
 from .communication import ContextParallelGroup
 from .sharding import ContextParallelError
 
@@ -64,7 +63,7 @@ def share_leader_inputs(inputs, cp: ContextParallelGroup):
     `SharedRowsSampler` the rows are already the same (this then only aligns the random state); without it (iterable
     datasets) the other ranks' own rows of the step are drawn and not used."""
     payload = [inputs, torch.get_rng_state(), torch.cuda.get_rng_state() if torch.cuda.is_available() else None]
-    with collective("broadcast of the leader's rows", cp.group, cp.timeout):
+    with cp.guarded("broadcast of the leader's rows"):
         dist.broadcast_object_list(payload, group=cp.group, group_src=0)
     torch.set_rng_state(payload[1])
     if payload[2] is not None:

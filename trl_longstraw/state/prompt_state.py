@@ -184,7 +184,9 @@ class PromptState:
         """The first decoder layer whose state holds NaN or inf, named (a scan of every tensor: for the rare step
         whose `all_finite` is False)."""
         for layer in self.layers:
-            if not all(bool(torch.isfinite(tensor.float()).all()) for tensor in layer.tensors()):
+            # fp8 pages: isfinite has no float8 kernel; the model's dtype is checked in place
+            wide = (tensor.float() if tensor.element_size() == 1 else tensor for tensor in layer.tensors())
+            if not all(bool(torch.isfinite(tensor).all()) for tensor in wide):
                 return f"decoder layer {layer.layer_idx} ({type(layer).__name__})"
         return None
 
