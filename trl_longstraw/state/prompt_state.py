@@ -344,6 +344,10 @@ class StateAccess(Cache):
         # Never take the single-token decode path: it updates the conv state in place.
         return True
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        # Intermediate recurrent states serve `crop` (assisted decoding); a prompt state keeps the final one only.
+        return 0
+
     def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         return self._chunk_states_of(layer_idx, "conv").conv_state(self)
 
