@@ -2,7 +2,8 @@
 over the ranks (`torchrun --nproc_per_node 2 this.py OUT FAMILY ROUTE`), in detach and exact mode; saves what
 `test_fsdp.py` compares. ROUTE: `fully_shard` (the model is sharded here, decoder layers then the causal LM, before the
 trainer gets it), `shard_weights` (the trainer shards it), `lora` (the trainer wraps it with LoRA from a `peft_config`,
-trains against the reference adapter with `beta > 0`, and shards it), `tools` (one greedy step of the embedded
+trains against the reference adapter with `beta > 0`, and shards it), `qlora` (the same on the model loaded in NF4
+through bitsandbytes: its packed 4-bit weights sharded too), `tools` (one greedy step of the embedded
 tool-calling model with `tools=[add]`, sharded by the trainer: the ranks' rows may take different numbers of tool
 turns).
 
@@ -23,7 +24,7 @@ from peft import LoraConfig
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import TrainerCallback
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, TrainerCallback
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
 from trl_longstraw.embedded import (
@@ -145,9 +146,22 @@ def worker_args(world: int, context_parallel_size: int = 1, **settings) -> LongS
     )
 
 
-def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
+def quantized_model(family: str, out: str):
+    """The family's model loaded in NF4 (bitsandbytes), as a QLoRA user loads it: from its weights, which the first
+    rank saves (transformers' `save_pretrained` writes on the main process only)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    model = build_model(family, seed=0)
+    directory = os.path.join(out, f"{family}-base-world{world}")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        build_model(family, seed=0).save_pretrained(directory)
+    if dist.is_initialized():
+        dist.barrier()
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(directory, quantization_config=nf4, dtype=torch.float32)
+
+
+def train(out: str, family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    model = quantized_model(family, out) if route == "qlora" else build_model(family, seed=0)
     if world > 1 and route in ("fully_shard", "hybrid_shard"):
         # "hybrid_shard": 4 ranks, FSDP2 inside each context-parallel group of 2 (the mesh's rows), replicated across
         # the groups (its columns)
@@ -175,9 +189,14 @@ def train(family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
         generation_kwargs={"top_k": 1} if rollout else None,
         shard_weights=world > 1 and route not in ("fully_shard", "hybrid_shard") and not route.endswith("_unsharded"),
         router_aux_loss_coef=0.5 if route.startswith("load_balancing") else None,
-        beta=0.04 if route == "lora" else 0.0,
+        beta=0.04 if route in ("lora", "qlora") else 0.0,
+        # TRL keeps QLoRA's adapters in bf16, where AdamW's first steps turn a one-ulp difference in a near-zero
+        # gradient into a whole step of the other sign; SGD's update is the gradient's, compared to bf16's precision.
+        # LoRA: the single-tensor AdamW, whose writes move the sharded parameters' version counters (the weights
+        # stamp, engine.weights_version); otherwise TRL's default, fused AdamW.
+        optim={"qlora": "sgd", "lora": "adamw_torch"}.get(route, "adamw_torch_fused"),
     )
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if route == "lora" else None
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if route in ("lora", "qlora") else None
     trainer = LongStrawGRPOTrainer(
         model=model,
         reward_funcs=char_code_reward,
@@ -263,8 +282,8 @@ def main(out: str, family: str, route: str) -> None:
     if route == "tools":
         results = {"rollout": tool_rollout()}
     else:
-        results = {mode: train(family, route, mode, rollout=False) for mode in ("detach", "exact")}
-        results["rollout"] = train(family, route, "detach", rollout=True)
+        results = {mode: train(out, family, route, mode, rollout=False) for mode in ("detach", "exact")}
+        results["rollout"] = train(out, family, route, "detach", rollout=True)
     if world > 1:
         everyone = [None] * world
         dist.all_gather_object(everyone, results["rollout"]["completions"])

@@ -122,6 +122,9 @@ def test_nf4_weight_bytes_are_what_bitsandbytes_allocates(family, double_quant, 
     assert predicted.quantized_params > 0.8 * predicted.params  # the linear maps; embeddings and LM head stay bf16
     assert predicted.bytes == allocated_bytes(quantized)
     assert weight_account(model.config).bytes == allocated_bytes(build_model(family, dtype=torch.bfloat16))
+    # what FSDP2 shards of them: the packed codes (the quantisation states stay whole on every rank)
+    packed = sum(p.nbytes for p in quantized.parameters() if getattr(p, "quant_state", None) is not None)
+    assert predicted.quantized_bytes - predicted.quantization_state_bytes == packed
 
 
 def test_nf4_costs_about_half_a_byte_per_value():

@@ -80,8 +80,17 @@ def test_fsdp2_shards_the_weights_and_adam_state_and_keeps_the_gradient_whole_th
     assert sharded.device_bytes == whole.device_bytes - (weights - sharded.weight_bytes) - (
         whole.trainable_bytes - sharded.trainable_share
     )
-    with pytest.raises(ValueError, match="NF4"):
-        plan_run(config, dataclasses.replace(SETUP, quantization="nf4"), weight_shards=2)
+
+
+def test_fsdp2_shards_nf4_codes_and_keeps_their_quantisation_states_whole():
+    config = tiny_config("qwen3")
+    qlora = dataclasses.replace(SETUP, quantization="nf4")
+    whole, sharded = plan_run(config, qlora), plan_run(config, qlora, weight_shards=4)
+    weights = whole.account.weights
+    assert weights.quantization_state_bytes > 0
+    share = -(-(weights.bytes - weights.quantization_state_bytes) // 4) + weights.quantization_state_bytes
+    assert sharded.weight_share == share
+    assert sharded.weight_bytes == share + sharded.gathered_bytes
 
 
 def test_fsdp2s_gathered_weights_are_the_root_module_and_one_decoder_layer():
@@ -147,8 +156,7 @@ def test_the_script_names_an_unreadable_model_and_exits_2(capsys):
         (["--prompt-length", "9", "--load-in-4bit", "--lora-r", "0"], "QLoRA.*--lora-r > 0"),
         (["--prompt-length", "9", "--context-parallel-size", "4", "--gpus", "2"], "exceeds --gpus 2"),
         (["--prompt-length", "9", "--weight-shards", "0"], "--weight-shards must be at least 1"),
-        (["--prompt-length", "9", "--weight-shards", "2", "--load-in-4bit"], "FSDP2 does not shard NF4"),
-        (["--prompt-length", "9", "--weight-shards", "2", "--context-parallel-size", "4"], "not a multiple of"),
+        (["--prompt-length", "9", "--weight-shards", "3", "--gpus", "8"], "does not divide --gpus 8"),
     ],
 )
 def test_bad_flags_are_refused_before_any_config_is_read(flags, message, monkeypatch, capsys):

@@ -88,15 +88,11 @@ def check_plan_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error(f"--context-parallel-size must be at least 1, got {args.context_parallel_size}")
     if args.weight_shards < 1:
         parser.error(f"--weight-shards must be at least 1, got {args.weight_shards}")
-    if args.weight_shards > 1 and args.load_in_4bit:
-        parser.error("--weight-shards with --load-in-4bit: FSDP2 does not shard NF4 weights; drop one of them")
-    if args.weight_shards > 1 and args.weight_shards % args.context_parallel_size:
+    if args.gpus is not None and args.gpus % args.weight_shards:
         parser.error(
-            f"--weight-shards {args.weight_shards} is not a multiple of --context-parallel-size "
-            f"{args.context_parallel_size}: the weights are sharded over every rank (data parallel x context parallel)"
+            f"--weight-shards {args.weight_shards} does not divide --gpus {args.gpus}: FSDP2's mesh spans every rank "
+            "(the shards over all of them, or replicas x shards)"
         )
-    if args.gpus is not None and args.weight_shards > args.gpus:
-        parser.error(f"--weight-shards {args.weight_shards} exceeds --gpus {args.gpus}")
     if args.gpus is not None and args.context_parallel_size > args.gpus:
         parser.error(f"--context-parallel-size {args.context_parallel_size} exceeds --gpus {args.gpus}")
     if args.load_in_4bit and args.lora_r == 0:

@@ -62,10 +62,18 @@ def weights_version(model: nn.Module) -> tuple[int, int]:
     writer that goes through autograd's view of the tensor (SGD, foreach and single-tensor AdamW, `copy_` syncs); the
     global optimizer-step count catches the fused optimizers, which bypass them (TRL's default, `adamw_torch_fused`).
     Writes through `.data` bypass both: do not write weights that way between a capture and its replays. The counters
-    of parameters PEFT re-parametrizes in every forward (`_reparametrized_each_forward`) are no signal and not summed.
+    of parameters PEFT re-parametrizes in every forward (`_reparametrized_each_forward`) are no signal and not summed;
+    nor are those of FSDP2's modules: while a module is gathered its parameters are FSDP2's whole copies, whose counters
+    are not the sharded parameters' the optimizer moves (a root kept gathered after a capture would read as other
+    weights). Under FSDP2 the stamp is the optimizer steps.
     """
-    skipped = _reparametrized_each_forward(model)
+    skipped = _reparametrized_each_forward(model) | _sharded_by_fsdp2(model)
     return _optimizer_steps, sum(p._version for p in model.parameters() if id(p) not in skipped)
+
+
+def _sharded_by_fsdp2(model: nn.Module) -> set[int]:
+    """Ids of the parameters under FSDP2's modules (`fully_shard`), as they are registered at this moment."""
+    return {id(p) for module in model.modules() if isinstance(module, FSDPModule) for p in module.parameters()}
 
 
 def _reparametrized_each_forward(model: nn.Module) -> set[int]:

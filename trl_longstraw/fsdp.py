@@ -73,10 +73,10 @@ def fully_shard_model(causal_lm: nn.Module) -> None:
             "shard_weights=True needs the ranks' process group: launch with `accelerate launch --multi_gpu "
             "--num_processes N` or `torchrun --nproc_per_node N`."
         )
-    if getattr(causal_lm, "is_loaded_in_4bit", False) or getattr(causal_lm, "is_loaded_in_8bit", False):
+    if getattr(causal_lm, "is_loaded_in_8bit", False):
         raise ValueError(
-            "shard_weights=True with a bitsandbytes-quantized model: FSDP2 does not shard its packed weights. Load the "
-            "model in bf16 (LoRA on sharded weights), or keep QLoRA without shard_weights."
+            "shard_weights=True with a model loaded in 8 bits (bitsandbytes LLM.int8): not verified under FSDP2. Load "
+            "it in 4 bits (QLoRA: load_in_4bit=True) or in bf16."
         )
     layer_classes = set(getattr(causal_lm, "_no_split_modules", None) or ())
     layers = [module for module in causal_lm.modules() if type(module).__name__ in layer_classes]
@@ -88,6 +88,30 @@ def fully_shard_model(causal_lm: nn.Module) -> None:
     for layer in reversed(layers):  # an inner listed module before the layer holding it
         fully_shard(layer)
     fully_shard(causal_lm)
+
+
+def keep_4bit_layout(causal_lm: nn.Module) -> None:
+    """bitsandbytes' 4-bit layers under FSDP2. The packed weight is an ordinary tensor that FSDP2 shards and gathers;
+    each layer keeps its quantisation state (absmax) whole, and rebuilds its 4-bit weight from the gathered tensor and
+    that state in every forward. On a CPU with AVX512-BF16, a forward in eval mode without autograd repacks the weight
+    into a CPU layout and rewrites the shared state to match: FSDP2 drops the repacked tensor (the next gather brings
+    back the original layout) but the rewritten state stays, so every later forward dequantises wrongly, without an
+    error. The repacking is turned off on the model's 4-bit layers (`support_avx512bf16_for_cpu`) before FSDP2 shards
+    them; a layer repacked already is refused (FSDP2 would shard the CPU layout, which the layer cannot rebuild)."""
+    from bitsandbytes.nn import Linear4bit
+
+    for name, module in causal_lm.named_modules():
+        if not isinstance(module, Linear4bit):
+            continue
+        state = getattr(module.weight, "quant_state", None) or getattr(module, "quant_state", None)
+        if getattr(state, "packing_format_for_cpu", False):
+            raise ValueError(
+                f"{name}: bitsandbytes repacked this 4-bit weight into its CPU layout (a forward in eval mode without "
+                "autograd, e.g. generate() or evaluation, ran before the weights were sharded), which FSDP2 cannot "
+                "gather. Hand the model to the trainer (shard_weights=True), or shard it with fully_shard, before "
+                "running it; or load it again."
+            )
+        module.support_avx512bf16_for_cpu = False
 
 
 def sharded_mesh_group(causal_lm: nn.Module) -> dist.ProcessGroup:

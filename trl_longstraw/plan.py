@@ -115,8 +115,11 @@ class Plan:
 
     @property
     def weight_share(self) -> int:
-        """This device's share of the weights (all of them unsharded)."""
-        return -(-self.account.weights.bytes // self.weight_shards)
+        """This device's share of the weights (all of them unsharded): NF4 weights' quantisation states stay whole."""
+        if self.weight_shards == 1:
+            return self.account.weights.bytes
+        whole = self.account.weights.quantization_state_bytes
+        return -(-(self.account.weights.bytes - whole) // self.weight_shards) + whole
 
     @property
     def weight_bytes(self) -> int:
@@ -217,11 +220,6 @@ def plan_run(
     `weight_shards` ranks (FSDP2), against `budget` bytes per device. `stock_rows`: the sequences stock GRPOTrainer
     backpropagates at once (`per_device_train_batch_size`); `devices` bounds the context-parallel sizes and shards
     suggested."""
-    if weight_shards > 1 and setup.quantization != "none":
-        raise ValueError(
-            "weight_shards > 1 with NF4 weights: FSDP2 does not shard bitsandbytes' packed weights (the trainer "
-            "refuses shard_weights with a quantized model). Plan QLoRA without sharding, or bf16 weights sharded."
-        )
     account = update_account(config, setup)
     captured = setup.prompt_tokens - 1  # all but the last prompt token are captured
     layout = ShardLayout.of(captured, context_parallel, setup.prefill_chunk_size)
@@ -233,7 +231,8 @@ def plan_run(
     trainable = account.lora.bytes if account.lora else full_fine_tuning_bytes(account)
     gathered = gathered_weight_bytes(config, account, setup.dtype_bytes) if weight_shards > 1 else 0
     # stock under FSDP2 shards the same bytes and gathers the same modules
-    stock = -(-(account.weights.bytes + trainable) // weight_shards) + gathered
+    whole = account.weights.quantization_state_bytes if weight_shards > 1 else 0
+    stock = -(-(account.weights.bytes - whole + trainable) // weight_shards) + whole + gathered
     stock += stock_activation_bytes(
         config, setup.prompt_tokens, setup.completion_tokens, stock_rows, setup.dtype_bytes
     )

@@ -53,6 +53,7 @@ from .fsdp import (
     check_sharded_layout,
     fully_shard_model,
     is_sharded,
+    keep_4bit_layout,
     shard_count,
     sharded_mesh_group,
 )
@@ -307,6 +308,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if self._is_vlm:
             raise ValueError("LongStrawGRPOTrainer supports text-only causal LMs; this model is vision-language.")
         policy = self._causal_lm(self.model)
+        if args.shard_weights or is_sharded(policy):
+            keep_4bit_layout(policy)  # QLoRA: before any forward of the sharded model
         if args.shard_weights and not is_sharded(policy):
             fully_shard_model(policy)  # after PEFT wrapping (TRL's), before the optimizer
         sharded = is_sharded(policy)

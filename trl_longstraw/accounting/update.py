@@ -70,7 +70,7 @@ class WeightAccount:
     """The model's weights on the device: NF4-quantised linear weights and everything kept at full width."""
 
     quantized_params: int = 0
-    quantized_bytes: int = 0
+    quantized_bytes: int = 0  # packed codes and quantisation states
     dense_params: int = 0
     dense_bytes: int = 0
     buffer_bytes: int = 0
@@ -78,6 +78,12 @@ class WeightAccount:
     @property
     def bytes(self) -> int:
         return self.quantized_bytes + self.dense_bytes + self.buffer_bytes
+
+    @property
+    def quantization_state_bytes(self) -> int:
+        """The NF4 weights' bytes besides their packed codes (absmax, code books): a module attribute FSDP2 does not
+        shard, whole on every rank."""
+        return self.quantized_bytes - -(-self.quantized_params // 2) if self.quantized_params else 0
 
     @property
     def params(self) -> int:
