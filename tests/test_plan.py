@@ -266,3 +266,16 @@ def test_each_familys_plan_against_what_a_capture_a_replay_and_an_adamw_step_all
     moments = sum(value.nbytes for slot in optimizer.state.values() for value in slot.values())
     step_counters = 4 * len(parameters)  # one fp32 `step` per parameter
     assert plan.trainable_bytes == sum(p.grad.nbytes for p in parameters) + moments - step_counters
+
+
+def test_a_cpu_budget_is_the_containers_memory_limit_where_lower(tmp_path, monkeypatch):
+    from trl_longstraw import plan
+
+    limit = tmp_path / "memory.max"
+    monkeypatch.setattr(plan, "CGROUP_MEMORY_MAX", str(limit))
+    limit.write_text("max\n")
+    physical = plan.memory_budget(torch.device("cpu"))
+    assert physical > GIB
+    limit.write_text(f"{GIB}\n")
+    assert plan.memory_budget(torch.device("cpu")) == GIB
+    assert plan.memory_budget(torch.device("cpu"), device_gib=3) == 3 * GIB  # memory_plan_device_gib wins

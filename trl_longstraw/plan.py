@@ -15,6 +15,7 @@ checked against real allocations, working sets estimated).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -416,10 +417,9 @@ def plan_at_construction(
     if args.memory_plan == "off" or args.memory_plan_prompt_length is None:
         return None
     budget = None
-    if args.memory_plan_device_gib is not None:
-        budget = int(args.memory_plan_device_gib * GIB)
-    elif torch.cuda.is_available():
-        budget = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+    if args.memory_plan_device_gib is not None or torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else None
+        budget = memory_budget(device, args.memory_plan_device_gib)
     name = model if isinstance(model, str) else config._name_or_path
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' and PEFT's notes while building the meta-device skeleton
@@ -447,18 +447,26 @@ def plan_at_construction(
     return plan
 
 
-def memory_budget(device: torch.device, device_gib: float | None = None) -> int:
+CGROUP_MEMORY_MAX = "/sys/fs/cgroup/memory.max"  # cgroup v2: the container's memory limit, or "max"
+
+
+def memory_budget(device: torch.device | None, device_gib: float | None = None) -> int:
     """The bytes a run may use on `device`: `device_gib` where given (`memory_plan_device_gib`), else the GPU's total
-    memory, else the host's (its physical memory, or the process's address-space limit where lower)."""
+    memory, else the host's: its physical memory, or the lowest of the process's address-space limit and its
+    container's (cgroup v2) memory limit."""
     if device_gib is not None:
         return int(device_gib * GIB)
-    if device.type == "cuda":
+    if device is not None and device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     import resource
 
-    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    return physical if limit == resource.RLIM_INFINITY else min(physical, limit)
+    limits = [os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")]
+    address_space = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if address_space != resource.RLIM_INFINITY:
+        limits.append(address_space)
+    with contextlib.suppress(OSError, ValueError), open(CGROUP_MEMORY_MAX) as handle:  # no cgroup v2, or "max"
+        limits.append(int(handle.read()))
+    return min(limits)
 
 
 def explain_out_of_memory(
@@ -472,9 +480,9 @@ def explain_out_of_memory(
     weight_shards: int = 1,
 ) -> str:
     """What an allocation failure in `phase` says: the run's size and settings (`weight_shards`: the ranks FSDP2 splits
-    each weight over), the plan's predicted state and peak, and each single setting that would fit (`_suggestions`). Where the plan itself fits `budget` (it does not model
-    everything: exact mode's prompt backward, other processes on the device), the settings that cut its predicted
-    peak by a quarter."""
+    each weight over), the plan's predicted state and peak, and each single setting that would fit (`_suggestions`).
+    Where the plan itself fits `budget` (it does not model everything: exact mode's prompt backward, other processes
+    on the device), the settings that cut its predicted peak by a quarter."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' and PEFT's notes while building the meta-device skeletons
         plan = plan_run(
