@@ -9,8 +9,10 @@ replay every member under autograd with its backward. Measured:
 1. In place (every call timed where it happens, during real groups): `weights_version(model)` (the stale-state
    stamp: the sum of the parameters' version counters, taken at capture and before every scoring and replay
    forward), `Placement.check` (the finiteness flag, one `isfinite().all()` per tensor written into the state,
-   chunk by chunk), `PromptState.all_finite` (the one read of that flag per capture: the only sync) and
-   `check_prepared` (once per capture). Timing wrappers add about a microsecond per call.
+   chunk by chunk), `PromptState.all_finite` (the one read of that flag per capture: the only sync),
+   `check_prepared` (once per capture) and the trainer's `OutputFiniteness` hooks (one `isfinite().all()` per output
+   of the input embeddings and of each decoder layer, every forward, ANDed into a device flag). Timing wrappers add
+   about a microsecond per call.
 2. End to end, A/B: the same group with telemetry on/off (`PhaseTelemetry(enabled=...)`, which is what
    `log_phase_metrics` switches; on, each phase also runs the 5 ms memory-sampling thread) and the guards on/off
    (replaced by no-ops), configurations interleaved round by round, medians reported. On a shared 2-core machine
@@ -110,6 +112,22 @@ def one_group(engine, model, telemetry, prompt, completions, lengths) -> tuple[f
     return elapsed, cpu
 
 
+def watch_outputs(model, timer: CallTimer | None = None):
+    """The trainer's `OutputFiniteness` on `model` (the input embeddings and every decoder layer), its hooks timed by
+    `timer`; removed on exit."""
+    from trl_longstraw.faults import OutputFiniteness
+    from trl_longstraw.state.registry import decoder_layers
+
+    stack = contextlib.ExitStack()
+    hook = OutputFiniteness._hook
+    if timer is not None:
+        stack.enter_context(patched(OutputFiniteness, "_hook", lambda self, index: timer.wrap(hook(self, index))))
+    modules = [("the input embeddings", model.get_input_embeddings())]
+    modules += [(f"decoder layer {index}", layer) for index, layer in enumerate(decoder_layers(model))]
+    stack.callback(OutputFiniteness(modules).remove)
+    return stack
+
+
 def guards_off():
     """The guards replaced by no-ops (a constant weights version, no finiteness flag, no prepared-model check)."""
     from trl_longstraw import engine as engine_module
@@ -154,9 +172,10 @@ def main() -> None:
     one_group(engine, model, telemetry_off, prompt[:1024], completions[:2, :width], torch.tensor([width, width]))
 
     # 1. the guards timed in place, during real groups (telemetry on, as by default)
-    timers = {name: CallTimer() for name in ("weights_version", "Placement.check", "all_finite", "check_prepared")}
+    names = ("weights_version", "Placement.check", "all_finite", "check_prepared", "OutputFiniteness hook")
+    timers = {name: CallTimer() for name in names}
     in_place, sampler_cpu = [], []
-    sampler = telemetry_on.meter.sampler
+    (sampler,) = telemetry_on.meter.samplers  # the host's RSS sampler (CPU)
     for _ in range(args.repeats):
         for timer in timers.values():
             timer.calls, timer.seconds = 0, 0.0
@@ -179,6 +198,7 @@ def main() -> None:
             )
             stack.enter_context(patched(Placement, "check", timers["Placement.check"].wrap(Placement.check)))
             stack.enter_context(patched(PromptState, "all_finite", timers["all_finite"].wrap(PromptState.all_finite)))
+            stack.enter_context(watch_outputs(model, timers["OutputFiniteness hook"]))
             group_s, _ = one_group(engine, model, telemetry_on, prompt, completions, lengths)
         in_place.append((group_s, {name: (t.calls, t.seconds) for name, t in timers.items()}))
         sampler_cpu.append((len(readings), readings[-1] - readings[0] if len(readings) > 1 else 0.0))
@@ -193,7 +213,7 @@ def main() -> None:
     times = {name: [] for name in configurations}
     for _ in range(args.repeats):
         for name, (telemetry, no_guards) in configurations.items():
-            with guards_off() if no_guards else contextlib.nullcontext():
+            with guards_off() if no_guards else watch_outputs(model):
                 times[name].append(one_group(engine, model, telemetry, prompt, completions, lengths))
 
     # 3. one empty phase span
@@ -258,7 +278,7 @@ def main() -> None:
             f"{seconds / baseline:.4%} |"
         )
     lines += [
-        f"| all four | | {total * 1e3:.3f} ms | | {total / baseline:.4%} |",
+        f"| all five | | {total * 1e3:.3f} ms | | {total / baseline:.4%} |",
         "",
         "## End to end, A/B",
         "",

@@ -47,6 +47,8 @@ SIZES = {
     "head_dim": 16,
     "rotary_dim": 16,
     "vocab_size": 102,
+    "vocab_size_per_layer_input": 102,  # Gemma 4's per-layer input embeddings (262,144 x 256 per layer by default)
+    "hidden_size_per_layer_input": 16,
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
     **dict.fromkeys(
         ("moe_intermediate_size", "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"), 32

@@ -211,3 +211,25 @@ def test_a_non_finite_prompt_state_and_gradient_are_named(fresh_model, tokenizer
         r"model.norm.weight\)",
     ):
         trainer._check_gradients()
+
+
+def test_output_finiteness_names_the_first_module_and_its_hooks_can_be_removed():
+    from trl_longstraw.embedded import build_model
+    from trl_longstraw.faults import OutputFiniteness
+
+    model = build_model("qwen3", seed=0)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    watch = OutputFiniteness(
+        [("the input embeddings", model.get_input_embeddings())]
+        + [(f"decoder layer {index}", layer) for index, layer in enumerate(model.model.layers)]
+    )
+    tokens = torch.tensor([[3, 7, 11]])
+    with torch.no_grad():
+        model(tokens)
+    assert watch.first_non_finite() == "decoder layer 1"
+    assert watch.first_non_finite() is None  # read and reset
+    watch.remove()
+    with torch.no_grad():
+        model(tokens)
+    assert watch.first_non_finite() is None  # no hook ran

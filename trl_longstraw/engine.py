@@ -62,36 +62,37 @@ def weights_version(model: nn.Module) -> tuple[int, int]:
     writer that goes through autograd's view of the tensor (SGD, foreach and single-tensor AdamW, `copy_` syncs); the
     global optimizer-step count catches the fused optimizers, which bypass them (TRL's default, `adamw_torch_fused`).
     Writes through `.data` bypass both: do not write weights that way between a capture and its replays. The counters
-    of parameters PEFT re-parametrizes in every forward (`_reparametrized_each_forward`) are no signal and not summed;
-    nor are those of FSDP2's modules: while a module is gathered its parameters are FSDP2's whole copies, whose counters
-    are not the sharded parameters' the optimizer moves (a root kept gathered after a capture would read as other
-    weights). Under FSDP2 the stamp is the optimizer steps.
+    of parameters PEFT re-parametrizes in every forward and of FSDP2's modules, whose gathered copies are not the
+    parameters the optimizer writes, are no signal and not summed (`_unsignalled_parameters`): under FSDP2 the stamp
+    is the optimizer steps.
     """
-    skipped = _reparametrized_each_forward(model) | _sharded_by_fsdp2(model)
+    skipped = _unsignalled_parameters(model)
     return _optimizer_steps, sum(p._version for p in model.parameters() if id(p) not in skipped)
 
 
-def _sharded_by_fsdp2(model: nn.Module) -> set[int]:
-    """Ids of the parameters under FSDP2's modules (`fully_shard`), as they are registered at this moment."""
-    return {id(p) for module in model.modules() if isinstance(module, FSDPModule) for p in module.parameters()}
+def _unsignalled_parameters(model: nn.Module) -> set[int]:
+    """Ids of the parameters whose version counters are no signal (one walk over the modules):
 
-
-def _reparametrized_each_forward(model: nn.Module) -> set[int]:
-    """Ids of the base parameters under PEFT's LoRA on parameters (`LoraConfig(target_parameters=...)`, e.g. fused MoE
-    experts): its `ParamWrapper` registers a parametrization around the parameter in every forward and removes it
-    after, which bumps the parameter's version counter without changing its values. The LoRA values themselves are
-    parameters of their own and stay counted."""
+    - under FSDP2's modules (`fully_shard`): while a module is gathered its registered parameters are FSDP2's whole
+      copies, not the sharded ones the optimizer writes;
+    - the base parameters under PEFT's LoRA on parameters (`LoraConfig(target_parameters=...)`, e.g. fused MoE
+      experts): its `ParamWrapper` registers a parametrization around the parameter in every forward and removes it
+      after, which bumps the parameter's version counter without changing its values (the LoRA values themselves are
+      parameters of their own and stay counted).
+    """
     try:
         from peft.tuners.lora.layer import ParamWrapper
     except ImportError:  # PEFT absent: nothing wraps parameters
-        return set()
-    wrapped = set()
+        ParamWrapper = None
+    skipped = set()
     for module in model.modules():
-        if isinstance(module, ParamWrapper):
+        if isinstance(module, FSDPModule):
+            skipped.update(id(p) for p in module.parameters())
+        elif ParamWrapper is not None and isinstance(module, ParamWrapper):
             parameter = getattr(module.get_base_layer(), module.parameter_name, None)
             if isinstance(parameter, nn.Parameter):
-                wrapped.add(id(parameter))
-    return wrapped
+                skipped.add(id(parameter))
+    return skipped
 
 
 def prepare_model(model: nn.Module) -> nn.Module:

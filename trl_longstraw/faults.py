@@ -205,8 +205,11 @@ class OutputFiniteness:
     def __init__(self, modules: list[tuple[str, nn.Module]]):
         self.names = [name for name, _ in modules]
         self._flags: torch.Tensor | None = None
-        for index, (_, module) in enumerate(modules):
-            module.register_forward_hook(self._hook(index))
+        self._handles = [module.register_forward_hook(self._hook(index)) for index, (_, module) in enumerate(modules)]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
     def _hook(self, index: int):
         def record(module: nn.Module, args, output) -> None:
