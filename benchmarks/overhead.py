@@ -116,15 +116,12 @@ def watch_outputs(model, timer: CallTimer | None = None):
     """The trainer's `OutputFiniteness` on `model` (the input embeddings and every decoder layer), its hooks timed by
     `timer`; removed on exit."""
     from trl_longstraw.faults import OutputFiniteness
-    from trl_longstraw.state.registry import decoder_layers
 
     stack = contextlib.ExitStack()
     hook = OutputFiniteness._hook
     if timer is not None:
         stack.enter_context(patched(OutputFiniteness, "_hook", lambda self, index: timer.wrap(hook(self, index))))
-    modules = [("the input embeddings", model.get_input_embeddings())]
-    modules += [(f"decoder layer {index}", layer) for index, layer in enumerate(decoder_layers(model))]
-    stack.callback(OutputFiniteness(modules).remove)
+    stack.callback(OutputFiniteness.of_causal_lm(model).remove)
     return stack
 
 

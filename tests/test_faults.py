@@ -220,10 +220,7 @@ def test_output_finiteness_names_the_first_module_and_its_hooks_can_be_removed()
     model = build_model("qwen3", seed=0)
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
-    watch = OutputFiniteness(
-        [("the input embeddings", model.get_input_embeddings())]
-        + [(f"decoder layer {index}", layer) for index, layer in enumerate(model.model.layers)]
-    )
+    watch = OutputFiniteness.of_causal_lm(model)
     tokens = torch.tensor([[3, 7, 11]])
     with torch.no_grad():
         model(tokens)

@@ -257,20 +257,24 @@ def test_one_rank_sharded_engine_gives_the_unsharded_gradients(one_rank_group):
     check_one_rank_engine_against_the_unsharded_model("cpu")
 
 
+def nf4_qwen3(tmp_path):
+    """The tiny Qwen3 loaded in NF4 from its saved weights, as the 2-rank QLoRA run loads it (`fsdp_worker.py`, which
+    runs in its own processes)."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    if not (tmp_path / "base").exists():
+        build_model("qwen3", seed=0).save_pretrained(tmp_path / "base")
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=nf4, dtype=torch.float32)
+
+
 def test_a_sharded_4bit_model_keeps_its_weights_through_eval_mode_forwards(one_rank_group, tmp_path):
     """bitsandbytes repacks a 4-bit weight for the CPU in an eval-mode forward without autograd, rewriting the layer's
     quantisation state; under FSDP2 the repacked tensor is dropped and the rewritten state kept, so every later
     forward would dequantise wrongly (`fsdp.keep_4bit_layout`)."""
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
     from trl_longstraw.fsdp import keep_4bit_layout
 
-    build_model("qwen3", seed=0).save_pretrained(tmp_path / "base")
-    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
-    reference, model = (
-        AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=nf4, dtype=torch.float32)
-        for _ in range(2)
-    )
+    reference, model = nf4_qwen3(tmp_path), nf4_qwen3(tmp_path)
     keep_4bit_layout(model)
     for layer in model.model.layers:
         fully_shard(layer)
@@ -287,11 +291,8 @@ def test_a_sharded_4bit_model_keeps_its_weights_through_eval_mode_forwards(one_r
 def test_a_4bit_model_repacked_for_the_cpu_before_sharding_is_refused(one_rank_group, tmp_path):
     from bitsandbytes.nn import Linear4bit
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    build_model("qwen3", seed=0).save_pretrained(tmp_path / "base")
-    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=nf4, dtype=torch.float32)
+    model = nf4_qwen3(tmp_path)
     with torch.no_grad():
         model.eval()(torch.tensor([[3, 7, 11]]))  # as `generate` would, before the trainer shards the weights
     if not next(m for m in model.modules() if isinstance(m, Linear4bit)).support_avx512bf16_for_cpu:

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .state.registry import decoder_layers
+
 _PHASE: ContextVar[str | None] = ContextVar("longstraw_phase", default=None)
 # The store keys under which each rank reports its failure (one report per process: the first failure is the cause).
 REPORT_KEY = "longstraw/failure/rank{rank}"
@@ -206,6 +208,14 @@ class OutputFiniteness:
         self.names = [name for name, _ in modules]
         self._flags: torch.Tensor | None = None
         self._handles = [module.register_forward_hook(self._hook(index)) for index, (_, module) in enumerate(modules)]
+
+    @classmethod
+    def of_causal_lm(cls, causal_lm: nn.Module) -> OutputFiniteness:
+        """Watching the input embeddings, then each decoder layer."""
+        modules = [("the input embeddings", causal_lm.get_input_embeddings())]
+        return cls(
+            modules + [(f"decoder layer {index}", layer) for index, layer in enumerate(decoder_layers(causal_lm))]
+        )
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -117,10 +117,8 @@ class Plan:
     @property
     def weight_share(self) -> int:
         """This device's share of the weights (all of them unsharded): NF4 weights' quantisation states stay whole."""
-        if self.weight_shards == 1:
-            return self.account.weights.bytes
-        whole = self.account.weights.quantization_state_bytes
-        return -(-(self.account.weights.bytes - whole) // self.weight_shards) + whole
+        weights = self.account.weights
+        return -(-weights.shardable_bytes() // self.weight_shards) + weights.quantization_state_bytes
 
     @property
     def weight_bytes(self) -> int:
@@ -232,8 +230,8 @@ def plan_run(
     trainable = account.lora.bytes if account.lora else full_fine_tuning_bytes(account)
     gathered = gathered_weight_bytes(config, account, setup.dtype_bytes) if weight_shards > 1 else 0
     # stock under FSDP2 shards the same bytes and gathers the same modules
-    whole = account.weights.quantization_state_bytes if weight_shards > 1 else 0
-    stock = -(-(account.weights.bytes - whole + trainable) // weight_shards) + whole + gathered
+    weights = account.weights
+    stock = -(-(weights.shardable_bytes() + trainable) // weight_shards) + weights.quantization_state_bytes + gathered
     stock += stock_activation_bytes(
         config, setup.prompt_tokens, setup.completion_tokens, stock_rows, setup.dtype_bytes
     )
@@ -416,10 +414,10 @@ def plan_at_construction(
     raises `MemoryPlanError` (or warns) when it does not fit the device."""
     if args.memory_plan == "off" or args.memory_plan_prompt_length is None:
         return None
-    budget = None
-    if args.memory_plan_device_gib is not None or torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else None
-        budget = memory_budget(device, args.memory_plan_device_gib)
+    gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else None
+    budget = None  # a CPU host's memory is not checked unless given
+    if args.memory_plan_device_gib is not None or gpu is not None:
+        budget = memory_budget(gpu, args.memory_plan_device_gib)
     name = model if isinstance(model, str) else config._name_or_path
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' and PEFT's notes while building the meta-device skeleton

@@ -70,7 +70,6 @@ from .rollout import (
     generates_with_transformers,
     prepare_sampling,
 )
-from .state.registry import decoder_layers
 from .telemetry import PhaseTelemetry, phase_rows
 
 logger = logging.getLogger(__name__)
@@ -357,10 +356,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         )
         self._kept: _KeptState | None = None
         self._prompt_tokens = 0  # the last prompt captured
-        self._finiteness = OutputFiniteness(  # which module a non-finite value came from (faults.py)
-            [("the input embeddings", policy.get_input_embeddings())]
-            + [(f"decoder layer {index}", layer) for index, layer in enumerate(decoder_layers(policy))]
-        )
+        # which module a non-finite value came from (faults.py)
+        self._finiteness = OutputFiniteness.of_causal_lm(policy)
         self._first_turn: dict[tuple[int, ...], PromptRows] | None = None  # a generation's prompts, for its tool turns
         self._reached: list[torch.nn.Parameter] | None = None
         self.rollout_from_prompt_state = self._resolve_rollout(args)

@@ -89,6 +89,10 @@ class WeightAccount:
     def params(self) -> int:
         return self.quantized_params + self.dense_params
 
+    def shardable_bytes(self) -> int:
+        """What FSDP2 splits over its shards: every byte but the NF4 quantisation states."""
+        return self.bytes - self.quantization_state_bytes
+
 
 def weight_account(
     config: PretrainedConfig | nn.Module,
