@@ -30,6 +30,16 @@ def prompt_dataset():
     return Dataset.from_dict({"prompt": ["the value of key is 42. what is the value of key?", "say hi"] * 4})
 
 
+def accelerate_launch_env(config_file: str) -> dict[str, str]:
+    """The FSDP variables `accelerate launch --config_file config_file` exports to each process (Accelerate's own
+    translation of the config), for launching on CPU, where an FSDP config leaves every process alone."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", config_file, "x.py"]))
+    return {name: value for name, value in prepare_multi_gpu_env(args).items() if "FSDP" in name}
+
+
 def trainer_args(config_class, tmp_path, **overrides):
     fields = {
         "output_dir": str(tmp_path),

@@ -187,7 +187,11 @@ def train(out: str, family: str, route: str, prompt_gradient: str, rollout: bool
         prefill_chunk_size=8,
         attention_chunk_size=8,
         generation_kwargs={"top_k": 1} if rollout else None,
-        shard_weights=world > 1 and route not in ("fully_shard", "hybrid_shard") and not route.endswith("_unsharded"),
+        # an FSDP2 accelerate config's launch (ACCELERATE_USE_FSDP) sets it through the config instead
+        shard_weights=world > 1
+        and route not in ("fully_shard", "hybrid_shard")
+        and not route.endswith("_unsharded")
+        and "ACCELERATE_USE_FSDP" not in os.environ,
         router_aux_loss_coef=0.5 if route.startswith("load_balancing") else None,
         beta=0.04 if route in ("lora", "qlora") else 0.0,
         # TRL keeps QLoRA's adapters in bf16, where AdamW's first steps turn a one-ulp difference in a near-zero

@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from datasets import Dataset
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
 from trl_longstraw.embedded import build_model, build_tokenizer
 
+from .conftest import accelerate_launch_env
 from .test_distributed import free_port
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
@@ -23,7 +24,10 @@ WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
 def launch(tmp_path, family: str, route: str, launcher: str, processes: int = 2, single: bool = True) -> None:
     """`fsdp_worker.py` on `processes` ranks and, with `single`, alone in one process beside them."""
     env = dict(os.environ, PYTHONPATH=os.getcwd(), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    ranks_env = dict(env)
     binaries = os.path.dirname(sys.executable)
+    if launcher == "fsdp2.yaml":  # what `accelerate launch --config_file configs/accelerate/fsdp2.yaml` exports
+        ranks_env.update(accelerate_launch_env("configs/accelerate/fsdp2.yaml"))
     if launcher == "torchrun":
         command = [os.path.join(binaries, "torchrun"), "--nproc_per_node", str(processes)]
         command += ["--master_port", str(free_port())]
@@ -32,7 +36,9 @@ def launch(tmp_path, family: str, route: str, launcher: str, processes: int = 2,
         command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
         command += ["--main_process_port", str(free_port())]
     runs = [
-        subprocess.Popen([*command, WORKER, str(tmp_path), family, route], env=env, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [*command, WORKER, str(tmp_path), family, route], env=ranks_env, stderr=subprocess.PIPE, text=True
+        )
     ]
     if single:
         runs.append(
@@ -77,7 +83,10 @@ def assert_takes_the_single_process_steps(single: dict, sharded: dict, shards: i
     "family, route, launcher",
     [
         ("qwen3", "shard_weights", "accelerate"),  # dense; the trainer shards it (`shard_weights=True`)
-        ("qwen3", "lora", "accelerate"),  # LoRA from a peft_config, beta > 0 (the reference adapter), sharded
+        # LoRA from a peft_config, beta > 0 (the reference adapter), sharded by the FSDP2 accelerate config's launch
+        # (TRL's fsdp2.yaml; on CPU, Accelerate leaves an FSDP launch's processes alone: its variables on a
+        # multi-process launch)
+        ("qwen3", "lora", "fsdp2.yaml"),
         ("qwen3", "qlora", "torchrun"),  # the same on NF4 weights (bitsandbytes), packed 4-bit weights sharded
         ("qwen3_5", "fully_shard", "torchrun"),  # GatedDeltaNet hybrid, sharded before the trainer gets it
         ("qwen3_moe", "shard_weights", "torchrun"),  # MoE
@@ -320,3 +329,27 @@ def test_the_weights_stamp_of_a_sharded_model_moves_with_its_optimizer_steps_onl
     assert weights_version(model) == resharded
     optimizer.step()
     assert weights_version(model) != resharded
+
+
+def test_shard_layer_classes_name_the_modules_sharded_before_the_root(one_rank_group, tmp_path):
+    """An FSDP2 accelerate config's fsdp_transformer_layer_cls_to_wrap: here each MLP alone, under the root."""
+    trainer = make_trainer(
+        build_model("qwen3", seed=0), tmp_path, shard_weights=True, shard_layer_classes=["Qwen3MLP"]
+    )
+    sharded = {type(module).__name__ for module in trainer.model.modules() if isinstance(module, FSDPModule)}
+    assert sharded == {"FSDPQwen3MLP", "FSDPQwen3ForCausalLM"}  # FSDP2 subclasses each module it shards
+
+
+def test_layer_classes_the_model_does_not_have_are_refused(one_rank_group, tmp_path):
+    with pytest.raises(ValueError, match=r"has no module of the classes \['Qwen3DecoderLayr'\].*shard_layer_classes"):
+        make_trainer(
+            build_model("qwen3", seed=0), tmp_path, shard_weights=True, shard_layer_classes=["Qwen3DecoderLayr"]
+        )
+
+
+def test_a_model_loaded_without_its_weights_on_this_rank_is_refused(one_rank_group, tmp_path):
+    """What transformers loads on every rank but the first while an FSDP launch's cpu_ram_efficient_loading is on."""
+    model = build_model("qwen3", seed=0)
+    model.model.layers[1].mlp.up_proj.weight = torch.nn.Parameter(torch.empty(8, 8, device="meta"))
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight \(and 0 more\) hold no weights"):
+        make_trainer(model, tmp_path, shard_weights=True)

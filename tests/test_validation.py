@@ -1,6 +1,7 @@
 """Bad input fails before expensive work, with an error that names the field and the fix."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
 from trl_longstraw.architectures import UnsupportedModelError, check_supported
 from trl_longstraw.embedded import build_model, tiny_config
 
-from .conftest import make_trainer, synthetic_inputs, trainer_args
+from .conftest import accelerate_launch_env, make_trainer, synthetic_inputs, trainer_args
 
 
 @pytest.mark.parametrize(
@@ -194,22 +195,78 @@ def test_a_model_on_the_host_alone_is_not_offloaded(tmp_path, tokenizer, prompt_
     make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path)
 
 
-@pytest.mark.parametrize("setting", [{"fsdp": "full_shard"}, {"deepspeed": {"zero_optimization": {"stage": 2}}}])
-def test_deepspeed_or_fsdp_in_the_training_arguments_is_refused(tmp_path, setting):
-    with pytest.raises(
-        ValueError, match="not through DeepSpeed, Accelerate's FSDP or tensor parallelism \\(`deepspeed`/`fsdp`\\)"
-    ):
-        trainer_args(LongStrawGRPOConfig, tmp_path, **setting)
-
-
-@pytest.mark.parametrize("variable, value", [("ACCELERATE_USE_DEEPSPEED", "true"), ("ACCELERATE_USE_FSDP", "1")])
-def test_deepspeed_or_fsdp_from_an_accelerate_config_is_refused(tmp_path, monkeypatch, variable, value):
-    monkeypatch.setenv(variable, value)  # transformers reads these with strtobool
-    with pytest.raises(
-        ValueError,
-        match=f"Accelerate's FSDP or tensor parallelism \\({variable} set by an accelerate config\\).*shard_weights=True",
-    ):
+def test_deepspeed_is_refused_naming_the_fsdp2_accelerate_config(tmp_path, monkeypatch):
+    fix = "configs/accelerate/fsdp2.yaml.*shard_weights=True"
+    with pytest.raises(ValueError, match=f"not through DeepSpeed.*\\(`deepspeed`\\).*{fix}"):
+        trainer_args(LongStrawGRPOConfig, tmp_path, deepspeed={"zero_optimization": {"stage": 3}})
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "1")  # transformers reads it with strtobool
+    with pytest.raises(ValueError, match=f"\\(ACCELERATE_USE_DEEPSPEED set by an accelerate config\\).*{fix}"):
         trainer_args(LongStrawGRPOConfig, tmp_path)
+
+
+@pytest.fixture
+def fsdp2_launch(monkeypatch):
+    """The variables `accelerate launch --config_file configs/accelerate/fsdp2.yaml` exports (TRL's fsdp2.yaml), and
+    the ones the config sets in reply, restored after the test."""
+    for name, value in accelerate_launch_env("configs/accelerate/fsdp2.yaml").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LONGSTRAW_FSDP_FROM_ACCELERATE", "false")
+    return monkeypatch
+
+
+def test_an_fsdp2_accelerate_config_shards_the_weights_under_the_trainer(tmp_path, fsdp2_launch):
+    """The launch's variables become shard_weights, and Accelerate is left without its FSDP plugin (nor transformers'
+    first-rank-only loading)."""
+    for _ in range(2):  # and the process's next config (a second run, an evaluation's)
+        args = trainer_args(LongStrawGRPOConfig, tmp_path)
+        assert args.shard_weights and args.shard_layer_classes is None
+        assert args.fsdp_plugin_args is None and os.environ["ACCELERATE_USE_FSDP"] == "false"
+
+
+def test_fsdp2_training_arguments_shard_the_weights_with_their_layer_classes_and_checkpointing(tmp_path):
+    args = trainer_args(
+        LongStrawGRPOConfig,
+        tmp_path,
+        fsdp=True,
+        fsdp_config={
+            "version": 2,
+            "transformer_layer_cls_to_wrap": "Qwen3DecoderLayer",
+            "activation_checkpointing": True,
+        },
+    )
+    assert args.shard_weights and args.shard_layer_classes == ["Qwen3DecoderLayer"]
+    assert args.activation_checkpointing and not args.fsdp and args.fsdp_plugin_args is None
+
+
+def test_a_sharded_state_dict_type_is_not_followed_and_says_so(tmp_path, fsdp2_launch):
+    fsdp2_launch.setenv("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT")  # TRL's fsdp2.yaml
+    with pytest.warns(UserWarning, match="fsdp_state_dict_type: SHARDED_STATE_DICT in the accelerate config is not"):
+        assert trainer_args(LongStrawGRPOConfig, tmp_path).shard_weights
+
+
+@pytest.mark.parametrize(
+    "variables, message",
+    [
+        ({"FSDP_VERSION": "1"}, "fsdp_version: 1 in the accelerate config.*Set fsdp_version: 2"),
+        (
+            {"FSDP_RESHARD_AFTER_FORWARD": "false"},
+            "fsdp_reshard_after_forward: False .*Set fsdp_reshard_after_forward: ",
+        ),
+        ({"FSDP_OFFLOAD_PARAMS": "true"}, "fsdp_offload_params: true .*Set fsdp_offload_params: false"),
+        ({"FSDP_AUTO_WRAP_POLICY": "NO_WRAP"}, "fsdp_auto_wrap_policy: NO_WRAP .*TRANSFORMER_BASED_WRAP"),
+        ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, "fsdp_auto_wrap_policy: size_based_auto_wrap_policy .*"),
+    ],
+)
+def test_fsdp_settings_the_trainer_does_not_follow_are_refused(tmp_path, fsdp2_launch, variables, message):
+    for name, value in variables.items():
+        fsdp2_launch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        trainer_args(LongStrawGRPOConfig, tmp_path)
+
+
+def test_shard_layer_classes_without_shard_weights_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="shard_layer_classes=\\['Qwen3DecoderLayer'\\] without shard_weights=True"):
+        trainer_args(LongStrawGRPOConfig, tmp_path, shard_layer_classes=["Qwen3DecoderLayer"])
 
 
 @pytest.mark.parametrize("size", ["dp_shard_size", "tp_size"])
@@ -218,7 +275,7 @@ def test_weights_sharded_by_accelerates_parallelism_config_are_refused(tmp_path,
     `PARALLELISM_CONFIG_*` variables, by an accelerate config file; replicas alone (`dp_replicate_size`) are DDP."""
     from accelerate.parallelism_config import ParallelismConfig
 
-    match = f"tensor parallelism \\(Accelerate's parallelism_config {size}=2\\)"
+    match = f"tensor parallelism or Accelerate's parallelism_config \\(Accelerate's parallelism_config {size}=2\\)"
     with pytest.raises(ValueError, match=match):
         trainer_args(LongStrawGRPOConfig, tmp_path, parallelism_config=ParallelismConfig(**{size: 2}))
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,10 @@ OPTIMIZERS_THAT_STEP_INSIDE_BACKWARD = (
     "lomo",
     "adalomo",
 )
+
+
+# Set once a config took FSDP2 from an accelerate launch (`ACCELERATE_USE_FSDP`, which it then turns off)
+FSDP_TAKEN_FROM_ACCELERATE = "LONGSTRAW_FSDP_FROM_ACCELERATE"
 
 
 def env_flag(name: str) -> bool:
@@ -96,7 +101,12 @@ class LongStrawGRPOConfig(GRPOConfig):
             trainer applies `fully_shard` to each decoder layer (the classes the model lists in `_no_split_modules`),
             then to the causal LM, after any PEFT wrapping (see docs/sharded-weights.md). A model already sharded with
             `fully_shard` is used as it is, without this flag. Composes with `context_parallel_size` (the weights
-            sharded over every rank of every CP group).
+            sharded over every rank of every CP group). An FSDP2 accelerate config (`distributed_type: FSDP`,
+            `fsdp_version: 2`, TRL's fsdp2.yaml) or `fsdp`/`fsdp_config` arguments with version 2 set it, with the
+            config's settings (refused where the trainer does not follow them).
+        shard_layer_classes (`list[str]`, *optional*):
+            With `shard_weights`: the class names of the modules sharded one by one before the causal LM (an FSDP2
+            config's `fsdp_transformer_layer_cls_to_wrap` sets them). Unset: the model's `_no_split_modules`.
 
         > Parameters that control the LongStraw metrics
 
@@ -195,6 +205,14 @@ class LongStrawGRPOConfig(GRPOConfig):
             "is used as it is."
         },
     )
+    shard_layer_classes: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "With shard_weights: the class names of the modules sharded one by one before the causal LM (an "
+            "FSDP2 accelerate config's fsdp_transformer_layer_cls_to_wrap sets them). Unset: the classes the model "
+            "lists in `_no_split_modules`, its decoder layers."
+        },
+    )
     memory_plan_prompt_length: int | None = field(
         default=None,
         metadata={
@@ -265,6 +283,7 @@ class LongStrawGRPOConfig(GRPOConfig):
         self._adopt_accelerate_context_parallel_size()
         self._validate_longstraw_fields()
         super().__post_init__()
+        self._adopt_accelerate_fsdp2()
         self._validate_context_parallel_batches()
         self._validate_context_parallel_statistics()
 
@@ -321,6 +340,87 @@ class LongStrawGRPOConfig(GRPOConfig):
         else:  # an accelerate config file's parallelism_config section: the Accelerator would build its CP from these
             os.environ["PARALLELISM_CONFIG_CP_SIZE"] = "1"
 
+    def _adopt_accelerate_fsdp2(self) -> None:
+        """Take FSDP2 from Accelerate's FSDP plugin where the user configured it (an accelerate config with
+        `distributed_type: FSDP` and `fsdp_version: 2`, such as TRL's fsdp2.yaml, or the `fsdp`/`fsdp_config`
+        arguments): the trainer shards with the same engine under its own control (`shard_weights`, fsdp.py), and
+        Accelerate is left without the plugin. Accelerate would wrap the model for one forward and one backward per
+        micro-batch, and its `cpu_ram_efficient_loading` would have transformers load the weights on the first rank
+        only, for Accelerate to broadcast them when it wraps the model. Settings the engine does not follow are
+        refused, naming the accelerate config key."""
+        from_launcher = env_flag("ACCELERATE_USE_FSDP") or env_flag(FSDP_TAKEN_FROM_ACCELERATE)
+        if self.fsdp_plugin_args is None and not from_launcher:
+            return
+        from accelerate.utils import FullyShardedDataParallelPlugin
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        source = "the fsdp_config argument" if self.fsdp_plugin_args is not None else "the accelerate config"
+        version = (self.fsdp_plugin_args or {}).get("fsdp_version") or int(os.environ.get("FSDP_VERSION", "1"))
+        if version != 2:  # before building FSDP1's plugin, which refuses some settings on a CPU
+            raise ValueError(
+                f"fsdp_version: {version} in {source}: LongStraw shards the weights with FSDP2 itself "
+                "(docs/sharded-weights.md). Set fsdp_version: 2."
+            )
+        plugin = FullyShardedDataParallelPlugin(**(self.fsdp_plugin_args or {}))  # unset keys: the launcher's FSDP_*
+        wrap = getattr(plugin.auto_wrap_policy, "__name__", None)
+        refusals = [
+            (
+                plugin.reshard_after_forward is not True,
+                f"fsdp_reshard_after_forward: {plugin.reshard_after_forward}",
+                (
+                    "fsdp_reshard_after_forward: true (LongStraw frees each layer's gathered weights after every forward "
+                    "of its many passes, so no more than two layers are gathered at once)"
+                ),
+            ),
+            (
+                isinstance(plugin.cpu_offload, CPUOffloadPolicy),
+                "fsdp_offload_params: true",
+                (
+                    "fsdp_offload_params: false (parameter offload is not verified with LongStraw; "
+                    "prompt_state_device='cpu' moves the prompt state to the host instead)"
+                ),
+            ),
+            (
+                wrap != "transformer_auto_wrap_policy",
+                f"fsdp_auto_wrap_policy: {wrap or 'NO_WRAP'}",
+                (
+                    "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP (each decoder layer its own FSDP2 module, gathered "
+                    "one at a time)"
+                ),
+            ),
+            (
+                plugin.mixed_precision_policy is not None,
+                "fsdp_config mixed_precision_policy",
+                (
+                    "no mixed_precision_policy: the layers compute in the weights' dtype, under autocast with "
+                    "mixed_precision: bf16, as without FSDP"
+                ),
+            ),
+            (bool(plugin.ignored_modules), "fsdp_ignored_modules", "no ignored modules"),
+        ]
+        for refused, setting, fix in refusals:
+            if refused:
+                raise ValueError(
+                    f"{setting} in {source}: LongStraw shards the weights with FSDP2 itself (docs/sharded-weights.md) "
+                    f"and does not follow this setting. Set {fix}."
+                )
+        if "FULL_STATE_DICT" not in str(plugin.state_dict_type):
+            warnings.warn(
+                f"fsdp_state_dict_type: {plugin.state_dict_type.name} in {source} is not followed: a LongStraw "
+                "checkpoint under FSDP2 holds the whole model's weights, gathered onto the first rank "
+                "(save_only_model=True; docs/sharded-weights.md).",
+                stacklevel=3,
+            )
+        self.shard_weights = True
+        if plugin.transformer_cls_names_to_wrap:
+            self.shard_layer_classes = list(plugin.transformer_cls_names_to_wrap)
+        if plugin.activation_checkpointing:  # FSDP's checkpointing of each wrapped layer: transformers' own
+            self.activation_checkpointing = self.gradient_checkpointing = True
+        self.fsdp, self.fsdp_plugin_args = False, None
+        if from_launcher:  # read by Accelerate (its Accelerator, its gradient clipping) and by transformers' loading
+            os.environ["ACCELERATE_USE_FSDP"] = "false"
+            os.environ[FSDP_TAKEN_FROM_ACCELERATE] = "true"  # for the process's later configs
+
     def _validate_longstraw_fields(self) -> None:
         if self.context_parallel_size is None:
             self.context_parallel_size = 1
@@ -370,22 +470,25 @@ class LongStrawGRPOConfig(GRPOConfig):
                 "rows of one sharded prompt. Set use_vllm=False (each rank group generates with its first rank's "
                 "rows) or context_parallel_size=1."
             )
-        launched_with = [name for name in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP") if env_flag(name)]
         sharded_by = accelerate_weight_sharding(self.parallelism_config)
-        if self.deepspeed or self.fsdp or launched_with or sharded_by:
+        if self.deepspeed or env_flag("ACCELERATE_USE_DEEPSPEED") or sharded_by:
             if sharded_by:
                 where = f"Accelerate's parallelism_config {', '.join(sharded_by)}"
-            elif launched_with:
-                where = f"{' and '.join(launched_with)} set by an accelerate config"
+            elif self.deepspeed:
+                where = "`deepspeed`"
             else:
-                where = "`deepspeed`/`fsdp`"
+                where = "ACCELERATE_USE_DEEPSPEED set by an accelerate config"
             raise ValueError(
                 "LongStrawGRPOTrainer shards weights with PyTorch's FSDP2 under its own control, not through "
-                f"DeepSpeed, Accelerate's FSDP or tensor parallelism ({where}): its update runs a data-dependent number "
-                "of forwards and backwards per rank, which those engines do not keep in step. Launch with a plain "
-                "multi-process accelerate config (`accelerate launch --multi_gpu --num_processes N`) and set "
-                "shard_weights=True (FSDP2 over every rank), or pass a model you sharded with `fully_shard`; see "
-                "docs/sharded-weights.md."
+                f"DeepSpeed, tensor parallelism or Accelerate's parallelism_config ({where}): its update runs a data-dependent "
+                "number of forwards and backwards per rank, which those engines do not keep in step. Launch with an FSDP2 "
+                "accelerate config (`accelerate launch --config_file configs/accelerate/fsdp2.yaml`, TRL's fsdp2.yaml) "
+                "or set shard_weights=True; see docs/sharded-weights.md."
+            )
+        if self.shard_layer_classes is not None and not self.shard_weights:
+            raise ValueError(
+                f"shard_layer_classes={self.shard_layer_classes} without shard_weights=True: the classes name the "
+                "modules the trainer shards. Set shard_weights=True, or unset shard_layer_classes."
             )
         if self.neftune_noise_alpha is not None:
             raise ValueError(

@@ -65,9 +65,22 @@ def check_sharded_layout(causal_lm: nn.Module) -> None:
         )
 
 
-def fully_shard_model(causal_lm: nn.Module) -> None:
-    """FSDP2 as Accelerate's `fsdp_version: 2` wraps a transformers model: every module whose class the model lists in
-    `_no_split_modules` (its decoder layers; innermost first), then the causal LM as the root, over every rank."""
+def check_weights_loaded(model: nn.Module) -> None:
+    """Before the trainer shards (or moves) a model: every parameter holds its weights on this rank."""
+    on_meta = [name for name, param in model.named_parameters() if param.is_meta]
+    if on_meta:
+        raise ValueError(
+            f"shard_weights=True: {on_meta[0]} (and {len(on_meta) - 1} more) hold no weights on this rank (the meta "
+            "device): the model was loaded while an FSDP accelerate config's cpu_ram_efficient_loading was in effect, "
+            "which loads the weights on the first rank only. Create the LongStrawGRPOConfig before loading the model "
+            "(it turns that loading off), or pass the model id to the trainer."
+        )
+
+
+def fully_shard_model(causal_lm: nn.Module, layer_classes: list[str] | None = None) -> None:
+    """FSDP2 as Accelerate's `fsdp_version: 2` wraps a transformers model: every module whose class is one of
+    `layer_classes` (default: those the model lists in `_no_split_modules`, its decoder layers; innermost first), then
+    the causal LM as the root, over every rank."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
             "shard_weights=True needs the ranks' process group: launch with `accelerate launch --multi_gpu "
@@ -78,12 +91,15 @@ def fully_shard_model(causal_lm: nn.Module) -> None:
             "shard_weights=True with a model loaded in 8 bits (bitsandbytes LLM.int8): not verified under FSDP2. Load "
             "it in 4 bits (QLoRA: load_in_4bit=True) or in bf16."
         )
-    layer_classes = set(getattr(causal_lm, "_no_split_modules", None) or ())
-    layers = [module for module in causal_lm.modules() if type(module).__name__ in layer_classes]
+    wanted = set(layer_classes or getattr(causal_lm, "_no_split_modules", None) or ())
+    layers = [module for module in causal_lm.modules() if type(module).__name__ in wanted]
     if not layers:
+        named = f"has no module of the classes {sorted(wanted)}" if layer_classes else "lists no decoder-layer classes"
         raise ValueError(
-            f"shard_weights=True: {type(causal_lm).__name__} lists no decoder-layer classes (`_no_split_modules`) to "
-            "shard one by one. Shard the model with `fully_shard` yourself before handing it to the trainer."
+            f"shard_weights=True: {type(causal_lm).__name__} {named} (`shard_layer_classes`, else `_no_split_modules`) "
+            "to shard one by one. Name its decoder-layer class in shard_layer_classes (an accelerate config's "
+            "fsdp_transformer_layer_cls_to_wrap), or shard the model with `fully_shard` yourself before handing it to "
+            "the trainer."
         )
     for layer in reversed(layers):  # an inner listed module before the layer holding it
         fully_shard(layer)

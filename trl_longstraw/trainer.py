@@ -51,6 +51,7 @@ from .faults import OutputFiniteness, collective, forget_reports, in_phase, warn
 from .fsdp import (
     ShardedPasses,
     check_sharded_layout,
+    check_weights_loaded,
     fully_shard_model,
     is_sharded,
     keep_4bit_layout,
@@ -293,6 +294,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             config = model.config
             check_supported(model)
             check_device_map(model)
+            if args.shard_weights:
+                check_weights_loaded(model)
             if is_peft_model(model):
                 check_adapter(model.active_peft_config)
         self._check_positions(config, args, prompt_width=1)
@@ -310,7 +313,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if args.shard_weights or is_sharded(policy):
             keep_4bit_layout(policy)  # QLoRA: before any forward of the sharded model
         if args.shard_weights and not is_sharded(policy):
-            fully_shard_model(policy)  # after PEFT wrapping (TRL's), before the optimizer
+            fully_shard_model(policy, args.shard_layer_classes)  # after PEFT wrapping (TRL's), before the optimizer
         sharded = is_sharded(policy)
         if sharded:  # FSDP2 (fsdp.py)
             self._check_sharded(args)
