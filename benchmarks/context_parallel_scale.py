@@ -14,8 +14,11 @@ A model of the work LongStraw's CP scheme does (`trl_longstraw/context_parallel/
   over every earlier key on each index-computing layer (IndexShare: 20 of GLM-5's 78). GatedDeltaNet (chunked, 64-token
   chunks): `value_heads (4 dk dv + 4 chunk (dk + dv))` per token. The last layer's attention is skipped in a capture.
 - Time = FLOPs / (peak x MFU): H200 bf16 dense peak 989 TFLOP/s, MFU 40% (an assumption; flash attention reaches more
-  on long sequences, small matmuls less). A recurrent run of k layers between attention layers costs `k + cp - 1`
-  layer-chunk times instead of k (the wavefront: `sharding.py`), counted.
+  on long sequences, small matmuls less). GatedDeltaNet crosses ranks by state passing
+  (`trl_longstraw/state/linear_attention.py`): on a GPU the model's chunked kernel runs twice on every chunk but a
+  step's first (from the zero state, then from the arriving starting state), and a run of k recurrent layers between
+  attention layers waits `cp - 1` such second runs of one layer per step (each rank's starting state is the previous
+  rank's corrected final state): the rule's time times `2 - 1/cp + (cp - 1)/k`, counted.
 - Communication per rank (bf16 queries, keys and values; fp32 partials), per attention layer and prompt token:
   `(cp - 1) (2 (heads d + kv (d + dv)) + 4 heads (dv + 1))` bytes in a capture; a recompute sends that and
   `(cp - 1) (2 (2 heads d + 2 kv (d + dv)) + 4 heads (2 dv + 1))` more (`step.py`). Over NVLink 4 through NVSwitch:
@@ -118,8 +121,8 @@ def capture(model: dict, prompt: int, cp: int) -> dict:
     flops += model["indexer_layers"] * indexer_pairs * model["indexer_pair_flops"]
     recurrent = tokens * model["recurrent_flops_per_token"]
     run = model["recurrent_run"]
-    wavefront = (run + cp - 1) / run if run else 1.0  # the recurrent layers' time under the wavefront
-    seconds = (flops + recurrent * wavefront) / (PEAK_FLOPS * MFU)
+    passing = 2 - 1 / cp + (cp - 1) / run if run else 1.0  # the rule's time under state passing (docstring)
+    seconds = (flops + recurrent * passing) / (PEAK_FLOPS * MFU)
     queries, keys, partials = model["comm"]
     sent = (cp - 1) * tokens * attention * (2 * (queries + keys) + 4 * partials)
     return {"flops": flops + recurrent, "seconds": seconds, "bytes": sent}

@@ -3,10 +3,12 @@
 A capture step gives each of the `cp` ranks one chunk. A recurrent layer's chunk starts from the previous chunk's final
 state, held by another rank. Two ways to cross ranks:
 
-- wavefront (what `context_parallel/` does): rank r runs layer l once rank r - 1 has finished it and sent its final
-  states; a run of k recurrent layers between two attention layers (which gather every rank's chunk, a barrier) takes
+- wavefront (what `context_parallel/` does for Mamba2): rank r runs layer l once rank r - 1 has finished it and sent
+  its final states; a run of k recurrent layers between two attention layers (which gather every rank's chunk, a barrier) takes
   `k + cp - 1` layer times instead of `k`;
-- state passing (flash-linear-attention's `fla.ops.cp`): every rank runs its chunk from a zero state at once; the
+- state passing (flash-linear-attention's `fla.ops.cp`, and what `context_parallel/` does for GatedDeltaNet: each
+  rank corrects from the previous rank's corrected final state, a chain of cp - 1 scans, instead of scanning the
+  transitions): every rank runs its chunk from a zero state at once; the
   final state is affine in the starting one, `S_end = S_start A + B`, so each rank also computes its chunk's transition
   A (the recurrence again, from the identity, values zeroed), the ranks chain `S_start` along the ring (cp - 1 tiny
   products), and each rank corrects its outputs by the starting state's contribution (the recurrence a third time,

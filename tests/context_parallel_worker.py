@@ -21,6 +21,8 @@ from trl_longstraw.context_parallel import (
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine, prepare_model
 from trl_longstraw.state import AttentionPages, IndexerKeys, LatentPages
+from trl_longstraw.state.linear_attention import deferred_start_rule, is_gated_deltanet
+from trl_longstraw.state.mamba import is_mamba2
 
 from .test_engine import chunked_attention_model
 
@@ -113,6 +115,7 @@ def check_family(family, mode, cp, device="cpu"):
     sharded = ContextParallelEngine(8, 4, prompt_gradient=mode, context_parallel=cp)
     whole, want_scores, want_logps, want_grads = update(reference, model, prompt, completions, lengths, weights)
     COMMUNICATION.clear()
+    rules = [deferred_start_rule(module) for module in model.modules() if is_gated_deltanet(module)]
     state, scores, logps, grads = update(sharded, model, prompt, completions, lengths, weights)
     flat = torch.cat([g.reshape(-1) for g in grads.values()]).cpu()
     gathered = [torch.empty_like(flat) for _ in range(cp.size)]
@@ -135,6 +138,8 @@ def check_family(family, mode, cp, device="cpu"):
         "whole_window_bytes": attention_bytes(whole, rolling=True),
         "held": state.layout.held(cp.rank),
         "communication": dict(COMMUNICATION),
+        "deferred_starts": sum(rule.deferred_runs for rule in rules),  # GatedDeltaNet rules run by state passing
+        "recurrent_layers": sum(1 for module in model.modules() if is_gated_deltanet(module) or is_mamba2(module)),
     }
 
 

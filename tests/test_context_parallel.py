@@ -97,6 +97,20 @@ def test_each_rank_keeps_only_its_chunks(ranks, case):
             assert r["state_bytes"] == whole / WORLD_SIZE + r["window_bytes"] + recurrent
 
 
+@pytest.mark.parametrize("case", [case for case in CASES if case[0] in ("qwen3_5", "qwen3_next", "nemotron_h")])
+def test_gated_deltanet_chunks_receive_their_starting_state_after_their_zero_state_pass(ranks, case):
+    """State passing: a capture chunk whose previous chunk another rank holds runs each GatedDeltaNet rule from the
+    zero state and adds its starting state's share once it arrives (the log-probs and gradients above are those of
+    one process); Mamba2 layers wait for their starting states instead."""
+    layout = ShardLayout.of(36, WORLD_SIZE, 8)
+    for rank, result in enumerate(rank[case] for rank in ranks):
+        chunks = range(1, len(layout.bounds))
+        handed = sum(layout.owner(c) == rank and layout.owner(c - 1) != rank for c in chunks)
+        assert handed > 0
+        deferring = 0 if case[0] == "nemotron_h" else result["recurrent_layers"]
+        assert result["deferred_starts"] == handed * deferring
+
+
 @pytest.mark.parametrize("family", ROLLOUT_FAMILIES)
 def test_rollouts_from_a_sharded_state_decode_the_single_process_tokens(ranks, family):
     for rank in ranks:

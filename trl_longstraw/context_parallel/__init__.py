@@ -21,8 +21,10 @@ MLA) layer the step's queries, keys and values are all-gathered (one chunk per r
 partial over its pages and the step's chunk pairs it is given (the same work on every rank), and the partials go to
 their queries' ranks (all-to-all). The last layer's attention is skipped, as in one process
 (`StateAccess.output_unread`). Recurrent layers (GatedDeltaNet, Mamba2) pass their conv and recurrent states from the
-holder of a chunk to the holder of the next as each layer records them (a wavefront); the last chunk's final states
-are broadcast so that every rank's replay starts from the whole prompt's. Exact mode's recompute runs the steps in
+holder of a chunk to the holder of the next as each layer records them: a GatedDeltaNet chunk runs its rule from the
+zero state meanwhile and adds its starting state's share when it arrives (state passing, state/linear_attention.py),
+a Mamba2 chunk waits for them (a wavefront); the last chunk's final states are broadcast so that every rank's replay
+starts from the whole prompt's. Exact mode's recompute runs the steps in
 reverse the same way, under autograd: the step attention's backward gives the pages of earlier steps their gradients
 where they live (before they are recomputed), and a chunk's starting recurrent states hand their gradient back to the
 previous chunk's holder, layer by layer as the backward reaches them.

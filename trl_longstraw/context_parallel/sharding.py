@@ -11,9 +11,10 @@ in reverse order on odd ones (zigzag): rank r holds chunk `s cp + r` (s even) or
   `1/cp` of the capture's (query, key) pairs over pages. Within a step the work of a later chunk's queries over an
   earlier chunk is split in two halves, one on each of the two chunks' ranks (`step.py`), so every rank does the same
   work in every step (`capture_attention_pairs`).
-- Recurrent states pass from chunk to chunk: within a step from rank to rank (a wavefront: rank r runs a recurrent
-  layer as soon as the rank before it has, while that one goes on to its next layer), and across a step boundary on
-  the same rank (zigzag: the last chunk of a step and the first of the next have the same owner).
+- Recurrent states pass from chunk to chunk: within a step from rank to rank (GatedDeltaNet by state passing: every
+  rank runs the layer at once and adds its starting state's share when it arrives; Mamba2 as a wavefront: rank r runs
+  the layer once the rank before it has), and across a step boundary on the same rank (zigzag: the last chunk of a
+  step and the first of the next have the same owner).
 - After the capture, every replayed and scored query reads every rank's pages, so replays stay balanced.
 """
 

@@ -11,8 +11,11 @@ another rank's pages is ever copied: a query's attention over them is computed w
   rank takes the top-k candidates of every query over the keys it holds before that query's chunk, the candidates go
   to the queries' ranks (all-to-all), which take their top-k, and the selections are all-gathered for the attention
   that applies them. Recurrent kinds hand their chunk states (`LayerState.chunk_states`) from the holder of a chunk to
-  the holder of the next as each layer records them (a wavefront: the next rank runs that layer while this one goes
-  on); in the recompute their gradients go back the same way, each layer's as soon as it is accumulated.
+  the holder of the next as each layer records them, in order (the conv state as soon as the mixer has its inputs):
+  a GatedDeltaNet chunk runs its rule from the zero state and takes the starting recurrent state when it arrives
+  (`defers_starting_state`, state passing), a Mamba2 chunk waits for its states (a wavefront: the next rank runs that
+  layer while this one goes on); in the recompute their gradients go back the same way, each layer's as soon as it
+  is accumulated.
 - Scoring and replay: every rank runs its own members, the group's ranks in step (`step.StepAttention` without chunks;
   DSA likewise). Rollouts: every rank decodes the same rows, each over its pages, merged (`merge.merge_across`).
 """
@@ -58,8 +61,10 @@ class ShardedPromptState(PromptState):
         self._whole = (num_tokens, start_position)
         self.step_selections: list[torch.Tensor] | None = None  # each rank's last DSA top-k of the step
         self._step_calls: list[dict] | None = None  # each rank's inputs of the indexer call in flight
-        self._started: dict[int, int] = {}  # capture: id(layer state) -> the chunk whose starting states it holds
-        self._recorded: Counter = Counter()  # capture: (id(layer state), chunk) -> states recorded
+        # capture: id(layer state) -> (the chunk whose starting states it holds, how many of them are in place)
+        self._started: dict[int, tuple[int, int]] = {}
+        self._recorded: dict[tuple[int, int], set[int]] = {}  # capture: (id(layer state), chunk) -> slots recorded
+        self._sent: Counter = Counter()  # capture: (id(layer state), chunk) -> slots sent (in order)
         self._sending: list = []  # the hand-offs in flight (capture: states; recompute: their gradients)
         self._hooks: list = []  # recompute: the starting states' gradient hand-offs
         self._wrapped: set[int] = set()  # recompute: the recorded final states already wrapped
@@ -281,24 +286,42 @@ class ShardedPromptState(PromptState):
     def entry_after(self, step: int) -> int:
         return self.entry_before(step) + 1
 
-    def starting_chunk_states(self, access, layer: LayerState) -> None:
-        """Capture: before `layer` first reads its states in a chunk, the previous chunk's final states (received
-        from its holder, or this rank's own) become the chunk's starting states."""
+    def starting_chunk_states(self, access, layer: LayerState, slot: int) -> None:
+        """Capture: before `layer` first reads its state `slot` in a chunk, the previous chunk's final states up to
+        that one (received from its holder, in order, or this rank's own) become the chunk's starting states."""
         chunk = self.layout.chunk_at(access.prefix_length)
-        if self._started.get(id(layer)) == chunk:
-            return
-        self._started[id(layer)] = chunk
-        if chunk == 0:
-            return
-        source = self.layout.owner(chunk - 1)
-        for states in layer.chunk_states():
+        chunk_states = layer.chunk_states()
+        started, in_place = self._started.get(id(layer), (None, 0))
+        if started != chunk:  # the prompt's first chunk starts from none
+            in_place = 0 if chunk > 0 else len(chunk_states)
+        while in_place <= slot:
+            states, source = chunk_states[in_place], self.layout.owner(chunk - 1)
             if source != self.cp.rank:  # they arrive where the backend communicates (gloo: the host)
                 layer.keep_chunk_state(states, self.geometry.placement.store(self.cp.receive(source).to(layer.device)))
             elif self.exact:  # exact mode keeps every chunk's starting states, as its own leaves
                 states.append(states[-1].clone())
+            in_place += 1
+        self._started[id(layer)] = (chunk, in_place)
 
-    def recorded_chunk_state(self, access, layer: LayerState) -> None:
-        """A capture: once `layer` recorded all its final states of a chunk, they go to the next chunk's holder. A
+    def defers_starting_state(self, access, layer: LayerState) -> bool:
+        """State passing (state/linear_attention.py): a capture chunk whose previous chunk another rank holds starts
+        its recurrent rule without the starting recurrent state, which it receives once its zero-state pass is done,
+        where the layer kind can take it so (GatedDeltaNet with transformers' kernel hook); else the mixer waits for
+        it (a wavefront)."""
+        chunk = self.layout.chunk_at(access.prefix_length)
+        if chunk == 0 or self.layout.owner(chunk - 1) == self.cp.rank:
+            return False
+        slot = len(layer.chunk_states()) - 1  # the recurrent state, handed on last
+
+        def start() -> torch.Tensor:
+            self.starting_chunk_states(access, layer, slot)
+            return self.geometry.placement.stage(layer.chunk_states()[slot][-1], layer.device)
+
+        return layer.defer_start(start)
+
+    def recorded_chunk_state(self, access, layer: LayerState, slot: int) -> None:
+        """A capture: each final state of a chunk `layer` records goes to the next chunk's holder, in `chunk_states()`
+        order (the conv state as soon as the mixer has its inputs, the recurrent state when its rule is done). A
         recompute: each recorded final state passes through `ReceivedGradient`, which adds, in the backward, the
         gradient the next chunk's holder computed for its starting state. Recorded here, inside the forward, the
         function sits in the graph between the layer and the next, so the backward receives it as it reaches the
@@ -310,14 +333,15 @@ class ShardedPromptState(PromptState):
                 self._receive_gradients(access, layer, self.layout.owner(chunk + 1))
             return
         key = (id(layer), chunk)
-        self._recorded[key] += 1
+        recorded = self._recorded.setdefault(key, set())
+        recorded.add(slot)
         chunk_states = layer.chunk_states()
-        if self._recorded[key] < len(chunk_states):
-            return
-        del self._recorded[key]
-        if after:
-            for states in chunk_states:
-                self._sending += self.cp.send_async(states[-1], self.layout.owner(chunk + 1))
+        while self._sent[key] in recorded:  # each as soon as it and those before it are recorded, in order
+            if after:
+                self._sending += self.cp.send_async(chunk_states[self._sent[key]][-1], self.layout.owner(chunk + 1))
+            self._sent[key] += 1
+        if self._sent[key] == len(chunk_states):
+            del self._recorded[key], self._sent[key]
 
     def _receive_gradients(self, access, layer: LayerState, source: int) -> None:
         """Wrap what `layer` recorded so far in this recompute (in `chunk_states()` order: a list, or the tensor of a

@@ -15,6 +15,7 @@ from transformers.cache_utils import Cache
 
 from ..attention import KeyBlock, Visibility, attention_over_blocks
 from .placement import Placement
+from .recurrent import SLOTS as CHUNK_STATE_SLOTS
 from .registry import LayerPlan, LayerState, PromptGeometry, UnsupportedModelError
 from .suffix import Suffix
 
@@ -98,12 +99,18 @@ class PromptState:
         return self.geometry.held_before(prefix_length)
 
     # -- recurrent kinds: the states a capture chunk starts from and ends with -------------------------------------
-    def starting_chunk_states(self, access: StateAccess, layer: LayerState) -> None:
-        """Called as `layer` first reads its chunk states in a capture chunk (context parallelism brings the previous
-        chunk's final states from the rank that captured it; here they are already the last entries)."""
+    def starting_chunk_states(self, access: StateAccess, layer: LayerState, slot: int) -> None:
+        """Called as `layer` reads its chunk state `slot` (an index of `chunk_states()`) in a capture chunk: that
+        state and those before it are the chunk's starting states from then on (context parallelism brings the
+        previous chunk's final ones from the rank that captured it; here they are already the last entries)."""
 
-    def recorded_chunk_state(self, access: StateAccess, layer: LayerState) -> None:
-        """Called as `layer` records one of its chunk states in a capture or recompute forward (context parallelism
+    def defers_starting_state(self, access: StateAccess, layer: LayerState) -> bool:
+        """Whether `layer`'s recurrent starting state in this capture chunk reaches its mixer later, during its rule
+        (context parallelism's state passing, state/linear_attention.py): the mixer then starts without it."""
+        return False
+
+    def recorded_chunk_state(self, access: StateAccess, layer: LayerState, slot: int) -> None:
+        """Called as `layer` records its chunk state `slot` in a capture or recompute forward (context parallelism
         hands a capture's to the next chunk's rank, and routes that rank's gradient into a recompute's)."""
 
     # Whether the processes sharing this state run each recompute's backward together (its collectives in step).
@@ -354,27 +361,30 @@ class StateAccess(Cache):
     def update_conv_state(self, conv_states, layer_idx: int, state_idx: int = 0, conv_kernel_size=None, **kwargs):
         layer = self._chunk_states_of(layer_idx, "conv")
         continued = layer.continue_conv(self, conv_states, conv_kernel_size)
-        self._recorded_chunk_state(layer)
+        self._recorded_chunk_state(layer, "conv")
         return continued
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        layer = self.state.of_layer(layer_idx, "recurrent")
+        if self.mode == "capture" and self.state.defers_starting_state(self, layer):
+            return None  # the mixer's rule takes it when it arrives
         return self._chunk_states_of(layer_idx, "recurrent").recurrent_state(self, self.forward_batch_size)
 
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
         layer = self._chunk_states_of(layer_idx, "recurrent")
         self.visit(layer.mixer)
         layer.finish_recurrent(self, recurrent_states)
-        self._recorded_chunk_state(layer)
+        self._recorded_chunk_state(layer, "recurrent")
         return recurrent_states
 
     def _chunk_states_of(self, layer_idx: int, role: str) -> LayerState:
-        """The layer's state for a conv or recurrent call; in a capture, its chunk's starting states in place first
-        (`PromptState.starting_chunk_states`)."""
+        """The layer's state for a conv or recurrent call; in a capture, its chunk's starting `role` state (and those
+        before it) in place first (`PromptState.starting_chunk_states`)."""
         layer = self.state.of_layer(layer_idx, role)
         if self.mode == "capture":
-            self.state.starting_chunk_states(self, layer)
+            self.state.starting_chunk_states(self, layer, CHUNK_STATE_SLOTS.index(role))
         return layer
 
-    def _recorded_chunk_state(self, layer: LayerState) -> None:
+    def _recorded_chunk_state(self, layer: LayerState, role: str) -> None:
         if self.mode in ("capture", "recompute"):
-            self.state.recorded_chunk_state(self, layer)
+            self.state.recorded_chunk_state(self, layer, CHUNK_STATE_SLOTS.index(role))
