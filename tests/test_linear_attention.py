@@ -63,3 +63,21 @@ def test_the_mixer_runs_its_own_kernel_unless_a_starting_state_is_pending():
         rule.pending = lambda: torch.zeros(1, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
         torch.testing.assert_close(mixer(hidden), want, rtol=1e-5, atol=1e-6)  # from a zero state: the same
     assert rule.pending is None and rule.deferred_runs == 1
+
+
+def test_a_kernel_forward_replaced_after_the_rule_was_put_in_place_is_wrapped_again():
+    """`kernels.kernelize` after LongStraw: the next deferral wraps the new forward, so a pending starting state always
+    reaches the rule the mixer runs."""
+    import types
+
+    model = build_model("qwen3_5", seed=0).eval()
+    mixer = next(module for module in model.modules() if is_gated_deltanet(module))
+    first = deferred_start_rule(mixer)
+    kernel = mixer._kernel_funcs["chunk_gated_delta_rule"]
+    kernel.forward = types.MethodType(lambda module, *args, **kwargs: first.kernel(*args, **kwargs), kernel)
+    rule = deferred_start_rule(mixer)
+    assert rule is not first
+    rule.pending = lambda: torch.zeros(1, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
+    with torch.no_grad():
+        mixer(torch.randn(1, 5, model.config.hidden_size))
+    assert rule.deferred_runs == 1 and rule.pending is None

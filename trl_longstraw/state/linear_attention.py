@@ -111,6 +111,11 @@ class DeferredStartRule:
         self.pending: Callable[[], torch.Tensor] | None = None
         self.deferred_runs = 0  # calls that ran with a deferred starting state
 
+        def forward(module, *args, **kwargs):  # the kernel function's forward, bound to it
+            return self(*args, **kwargs)
+
+        self.forward = forward
+
     def __call__(self, query, key, value, g=None, beta=None, initial_state=None, output_final_state=False, **kwargs):
         start, self.pending = self.pending, None
         if start is None:
@@ -132,19 +137,17 @@ _DEFERRED_START_RULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  
 
 
 def deferred_start_rule(mixer) -> DeferredStartRule | None:
-    """The mixer's `DeferredStartRule`, put in place of its chunked-rule kernel function on first use; None where the
-    mixer has no such kernel function (a model without transformers' kernel hooks)."""
-    if (rule := _DEFERRED_START_RULES.get(mixer)) is not None:
-        return rule
+    """The mixer's `DeferredStartRule`, in place of its chunked-rule kernel function's forward (put there on first use,
+    and again over a forward that replaced it since, such as `kernels.kernelize`'s); None where the mixer has no such
+    kernel function (a model without transformers' kernel hooks)."""
     kernel = getattr(mixer, "_kernel_funcs", {}).get(CHUNK_RULE_KERNEL)
     if kernel is None:
         return None
+    rule = _DEFERRED_START_RULES.get(mixer)
+    if rule is not None and getattr(kernel.forward, "__func__", None) is rule.forward:
+        return rule
     rule = DeferredStartRule(kernel.forward)
-
-    def forward(module, *args, **kwargs):
-        return rule(*args, **kwargs)
-
-    kernel.forward = types.MethodType(forward, kernel)  # a bound forward, as `kernels.kernelize` sets one
+    kernel.forward = types.MethodType(rule.forward, kernel)  # a bound forward, as `kernels.kernelize` sets one
     _DEFERRED_START_RULES[mixer] = rule
     return rule
 
