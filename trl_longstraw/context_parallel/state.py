@@ -311,7 +311,7 @@ class ShardedPromptState(PromptState):
         chunk = self.layout.chunk_at(access.prefix_length)
         if chunk == 0 or self.layout.owner(chunk - 1) == self.cp.rank:
             return False
-        slot = len(layer.chunk_states()) - 1  # the recurrent state, handed on last
+        slot = layer.chunk_state_slot("recurrent")
 
         def start() -> torch.Tensor:
             self.starting_chunk_states(access, layer, slot)

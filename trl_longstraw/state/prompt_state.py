@@ -15,7 +15,6 @@ from transformers.cache_utils import Cache
 
 from ..attention import KeyBlock, Visibility, attention_over_blocks
 from .placement import Placement
-from .recurrent import SLOTS as CHUNK_STATE_SLOTS
 from .registry import LayerPlan, LayerState, PromptGeometry, UnsupportedModelError
 from .suffix import Suffix
 
@@ -382,9 +381,9 @@ class StateAccess(Cache):
         before it) in place first (`PromptState.starting_chunk_states`)."""
         layer = self.state.of_layer(layer_idx, role)
         if self.mode == "capture":
-            self.state.starting_chunk_states(self, layer, CHUNK_STATE_SLOTS.index(role))
+            self.state.starting_chunk_states(self, layer, layer.chunk_state_slot(role))
         return layer
 
     def _recorded_chunk_state(self, layer: LayerState, role: str) -> None:
         if self.mode in ("capture", "recompute"):
-            self.state.recorded_chunk_state(self, layer, CHUNK_STATE_SLOTS.index(role))
+            self.state.recorded_chunk_state(self, layer, layer.chunk_state_slot(role))

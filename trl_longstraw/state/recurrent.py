@@ -35,7 +35,7 @@ def chunk_kernel_bytes(heads: int, key_dim: int, value_dim: int, chunk: int) -> 
     return elements * FP32_BYTES
 
 
-SLOTS = ("conv", "recurrent")  # `chunk_states()` in order; a chunk hands them on in this order
+SLOTS = ("conv", "recurrent")
 
 
 class ConvRecurrentState(LayerState):
@@ -92,11 +92,6 @@ class ConvRecurrentState(LayerState):
                 tail = F.pad(tail, (kernel_size - 1 - tail.shape[-1], 0))
             self._record(self.conv, access, tail, slot=0)
         return full
-
-    def defer_start(self, start) -> bool:
-        """Whether this capture forward's mixer can take its starting recurrent state later, from `start()` (state
-        passing under context parallelism); a kind whose mixer cannot reads it when its forward begins."""
-        return False
 
     def finish_recurrent(self, access, state: torch.Tensor) -> None:
         if access.mode != "read":

@@ -180,6 +180,16 @@ class LayerState(abc.ABC):
         shard's last. None for a kind whose later tokens read per-token entries (pages) instead."""
         return []
 
+    def chunk_state_slot(self, role: str) -> int:
+        """The index in `chunk_states()` of the state a `role` call of the Cache API ("conv" or "recurrent") reads
+        and records: a kind lists its conv state before its recurrent state."""
+        return [name for name in ("conv", "recurrent") if name in self.roles].index(role)
+
+    def defer_start(self, start) -> bool:
+        """Whether this capture forward's mixer can take its recurrent starting state later, from `start()`, instead
+        of reading it as its forward begins (state passing under context parallelism, state/linear_attention.py)."""
+        return False
+
     def keep_chunk_state(self, states: list[torch.Tensor], value: torch.Tensor) -> None:
         """Keep `value` as the newest entry of one of `chunk_states()`'s lists: appended in exact mode (the recompute
         starts each chunk from its boundary), else in place of the last (only the final state is read)."""
