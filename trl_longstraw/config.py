@@ -480,10 +480,11 @@ class LongStrawGRPOConfig(GRPOConfig):
                 where = "ACCELERATE_USE_DEEPSPEED set by an accelerate config"
             raise ValueError(
                 "LongStrawGRPOTrainer shards weights with PyTorch's FSDP2 under its own control, not through "
-                f"DeepSpeed, tensor parallelism or Accelerate's parallelism_config ({where}): its update runs a data-dependent "
-                "number of forwards and backwards per rank, which those engines do not keep in step. Launch with an FSDP2 "
-                "accelerate config (`accelerate launch --config_file configs/accelerate/fsdp2.yaml`, TRL's fsdp2.yaml) "
-                "or set shard_weights=True; see docs/sharded-weights.md."
+                f"DeepSpeed, tensor parallelism or Accelerate's parallelism_config ({where}): its update runs a "
+                "data-dependent number of forwards and backwards per rank, which those engines do not keep in step. "
+                "Launch with an FSDP2 accelerate config (`accelerate launch --config_file "
+                "configs/accelerate/fsdp2.yaml`, TRL's fsdp2.yaml) or set shard_weights=True; see "
+                "docs/sharded-weights.md."
             )
         if self.shard_layer_classes is not None and not self.shard_weights:
             raise ValueError(
