@@ -103,8 +103,8 @@ def kernel_rule_with_deferred_start(
 
 
 class DeferredStartRule:
-    """A GatedDeltaNet's chunked-rule kernel function that, given a pending starting state (`defer`), runs the rule
-    with it deferred, and otherwise the model's own kernel untouched."""
+    """A GatedDeltaNet's chunked-rule kernel function that, given a pending starting state (`pending`, taken by its
+    next call), runs the rule with it deferred, and otherwise the model's own kernel untouched."""
 
     def __init__(self, kernel: Callable):
         self.kernel = kernel
