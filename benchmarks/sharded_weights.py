@@ -27,6 +27,8 @@ CASES = [
     ("qwen3_5", "fully_shard"),
     ("qwen3_moe", "shard_weights"),
     ("glm_moe_dsa", "fully_shard"),
+    ("qwen3", "loaded"),
+    ("glm_moe_dsa", "loaded_lora"),
 ]
 
 
@@ -60,7 +62,7 @@ def row(out: Path, family: str, route: str, mode: str) -> str:
         f"| {largest_relative(single['grad_norm'], got['grad_norm']):.1e} | {weights:.1e} "
         f"| {share['parameters']:.3f} / {share['gradients']:.3f} / {share['optimizer']:.3f} "
         f"| {collectives['all_gather_single'] / steps:.0f} | {collectives['reduce_scatter_single'] / steps:.0f} "
-        f"({got['sharded_modules']} modules) | {got['rounds'] / steps:.0f} "
+        f"({got['sharded_modules']} units) | {got['rounds'] / steps:.0f} "
         f"| {sum(r['stand_ins'] for r in ranks) / steps:.1f} |"
     )
 
@@ -78,7 +80,8 @@ def main() -> None:
             "process takes 6 rows per micro-step, each rank 3. Errors: the largest relative difference over the steps "
             "(loss, grad norm) and over the trained weight tensors after the last step. Bytes: the larger rank's, as a "
             "share of one process's (parameters / gradients at the optimizer step / AdamW state). Collectives per "
-            "optimizer step on one rank. Agreements: the ranks' one-integer all-reduces per optimizer step (one before "
+            "optimizer step on one rank (reduce-scatters: one per FSDP2 unit holding trainable weights). Agreements: "
+            "the ranks' one-integer all-reduces per optimizer step (one before "
             "every pass, one per rank finishing each phase). Stand-ins: passes per optimizer step, both ranks "
             "together, that LongStraw's protocol ran to keep the ranks in step (prompts of different lengths, kept "
             "states)."

@@ -3,7 +3,9 @@ over the ranks (`torchrun --nproc_per_node 2 this.py OUT FAMILY ROUTE`), in deta
 `test_fsdp.py` compares. ROUTE: `fully_shard` (the model is sharded here, decoder layers then the causal LM, before the
 trainer gets it), `shard_weights` (the trainer shards it), `lora` (the trainer wraps it with LoRA from a `peft_config`,
 trains against the reference adapter with `beta > 0`, and shards it), `qlora` (the same on the model loaded in NF4
-through bitsandbytes: its packed 4-bit weights sharded too), `tools` (one greedy step of the embedded
+through bitsandbytes: its packed 4-bit weights sharded too), `loaded` (the model passed by its directory: the trainer
+loads it, each rank reading only its shards, transformers' load-time FSDP2), `loaded_lora` (the same with GLM-5's
+attention projections adapted by LoRA, added after the weights were sharded, and `beta > 0`), `tools` (one greedy step of the embedded
 tool-calling model with `tools=[add]`, sharded by the trainer: the ranks' rows may take different numbers of tool
 turns).
 
@@ -83,15 +85,16 @@ def local_bytes(tensors) -> int:
 
 
 def sharded_modules_that_train(model) -> int:
-    """`fully_shard` modules holding a trainable parameter of their own (not one of a sharded submodule's): each
-    reduce-scatters its gradients in a synced backward."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            children = [child for child in module.modules() if child is not module and isinstance(child, FSDPModule)]
-            nested = {id(p) for child in children for p in child.parameters()}
-            count += any(p.requires_grad and id(p) not in nested for p in module.parameters())
-    return count
+    """`fully_shard` units (one module, or modules sharded together) with a trainable parameter: each reduce-scatters
+    its gradients in a synced backward."""
+    states = {
+        id(state): state for m in model.modules() if isinstance(m, FSDPModule) for state in [m._get_fsdp_state()]
+    }
+    return sum(
+        state._fsdp_param_group is not None
+        and any(param.sharded_param.requires_grad for param in state._fsdp_param_group.fsdp_params)
+        for state in states.values()
+    )
 
 
 def trainable_weights(model) -> dict[str, torch.Tensor]:
@@ -104,11 +107,14 @@ def trainable_weights(model) -> dict[str, torch.Tensor]:
 
 
 class GatheredLayers:
-    """The most decoder layers holding gathered (unsharded) weights at once, seen as each layer's forward or backward
+    """The most decoder layers holding gathered (unsharded) weights at once, and the most layers whose adapter units
+    (`adapter_units`: an adapter added after sharding) are gathered at once, seen as each layer's forward or backward
     starts: FSDP2 swaps a module's DTensor parameters for whole tensors while it is gathered."""
 
-    def __init__(self, layers):
-        self.layers, self.most = list(layers), 0
+    def __init__(self, layers, adapter_units=()):
+        self.layers, self.most, self.most_adapters = list(layers), 0, 0
+        units = {id(unit) for unit in adapter_units}
+        self.adapters = [[m for m in layer.modules() if id(m) in units] for layer in self.layers]
         for layer in self.layers:
             layer.register_forward_pre_hook(self.count)
             layer.register_full_backward_pre_hook(self.count)
@@ -116,6 +122,8 @@ class GatheredLayers:
     def count(self, *unused):
         gathered = sum(not isinstance(next(layer.parameters()), DTensor) for layer in self.layers)
         self.most = max(self.most, gathered)
+        adapters = sum(any(not isinstance(u.weight, DTensor) for u in units) for units in self.adapters)
+        self.most_adapters = max(self.most_adapters, adapters)
 
 
 class GradientBytes(TrainerCallback):
@@ -149,19 +157,30 @@ def worker_args(world: int, context_parallel_size: int = 1, **settings) -> LongS
 def quantized_model(family: str, out: str):
     """The family's model loaded in NF4 (bitsandbytes), as a QLoRA user loads it: from its weights, which the first
     rank saves (transformers' `save_pretrained` writes on the main process only)."""
+    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(saved_model(family, out), quantization_config=nf4, dtype=torch.float32)
+
+
+def saved_model(family: str, out: str) -> str:
+    """The directory of the family's model, which the first rank saves (`save_pretrained` writes on the main process
+    only)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     directory = os.path.join(out, f"{family}-base-world{world}")
     if not dist.is_initialized() or dist.get_rank() == 0:
         build_model(family, seed=0).save_pretrained(directory)
     if dist.is_initialized():
         dist.barrier()
-    nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(directory, quantization_config=nf4, dtype=torch.float32)
+    return directory
 
 
 def train(out: str, family: str, route: str, prompt_gradient: str, rollout: bool) -> dict:
     world = dist.get_world_size() if dist.is_initialized() else 1
-    model = quantized_model(family, out) if route == "qlora" else build_model(family, seed=0)
+    if route == "qlora":
+        model = quantized_model(family, out)
+    elif route.startswith("loaded"):  # by its directory: the trainer loads it, on several ranks its shards only
+        model = saved_model(family, out)
+    else:
+        model = build_model(family, seed=0)
     if world > 1 and route in ("fully_shard", "hybrid_shard"):
         # "hybrid_shard": 4 ranks, FSDP2 inside each context-parallel group of 2 (the mesh's rows), replicated across
         # the groups (its columns)
@@ -193,14 +212,18 @@ def train(out: str, family: str, route: str, prompt_gradient: str, rollout: bool
         and not route.endswith("_unsharded")
         and "ACCELERATE_USE_FSDP" not in os.environ,
         router_aux_loss_coef=0.5 if route.startswith("load_balancing") else None,
-        beta=0.04 if route in ("lora", "qlora") else 0.0,
+        beta=0.04 if route in ("lora", "qlora", "loaded_lora") else 0.0,
         # TRL keeps QLoRA's adapters in bf16, where AdamW's first steps turn a one-ulp difference in a near-zero
         # gradient into a whole step of the other sign; SGD's update is the gradient's, compared to bf16's precision.
         # LoRA: the single-tensor AdamW, whose writes move the sharded parameters' version counters (the weights
         # stamp, engine.weights_version); otherwise TRL's default, fused AdamW.
         optim={"qlora": "sgd", "lora": "adamw_torch"}.get(route, "adamw_torch_fused"),
     )
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]) if route in ("lora", "qlora") else None
+    lora = None
+    if route in ("lora", "qlora"):
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    elif route == "loaded_lora":  # GLM-5's attention projections (the model is glm_moe_dsa)
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_b_proj", "kv_b_proj", "o_proj"])
     trainer = LongStrawGRPOTrainer(
         model=model,
         reward_funcs=char_code_reward,
@@ -211,7 +234,10 @@ def train(out: str, family: str, route: str, prompt_gradient: str, rollout: bool
         peft_config=lora,
     )
     initial = trainable_weights(trainer.model)
-    gathered = GatheredLayers(trainer.model.get_decoder().layers) if world > 1 else None
+    gathered = None
+    if world > 1:
+        adapter_units = trainer._sharded.adapter_units if trainer._sharded is not None else ()
+        gathered = GatheredLayers(trainer.model.get_decoder().layers, adapter_units)
     gradient_bytes = GradientBytes()
     trainer.add_callback(gradient_bytes)
     COMPLETIONS.clear()
@@ -234,10 +260,14 @@ def train(out: str, family: str, route: str, prompt_gradient: str, rollout: bool
             "optimizer": local_bytes(state),
             "whole_parameters": sum(p.numel() * p.element_size() for p in params),
         },
+        # transformers' load-time FSDP2 records its configuration on the model it loaded sharded
+        "loaded_sharded": getattr(trainer.model.config, "distributed_config", None) is not None,
         "synced_passes": trainer._sharded.synced_passes if trainer._sharded is not None else None,
         "stand_ins": trainer._sharded.stand_ins if trainer._sharded is not None else None,
         "rounds": trainer._sharded.rounds if trainer._sharded is not None else None,
         "most_layers_gathered": gathered.most if gathered is not None else None,
+        "most_adapter_layers_gathered": gathered.most_adapters if gathered is not None else None,
+        "adapter_units": len(trainer._sharded.adapter_units) if trainer._sharded is not None else 0,
         "layers": len(trainer.model.get_decoder().layers),
         "optimizer_steps": trainer.state.global_step,
         "collectives": {name: COLLECTIVES[name] - counted_before[name] for name in COLLECTIVES},

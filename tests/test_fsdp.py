@@ -11,9 +11,11 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
 from trl_longstraw.embedded import build_model, build_tokenizer
+from trl_longstraw.fsdp import load_sharded_kwargs
 
 from .conftest import accelerate_launch_env
 from .test_distributed import free_port
@@ -73,6 +75,11 @@ def assert_takes_the_single_process_steps(single: dict, sharded: dict, shards: i
             assert got["bytes"][kind] == pytest.approx(want["bytes"][kind] / shards, rel=0.02), (mode, kind)
         # the layers are gathered one at a time (a replay runs outside any backward: fsdp.py), never all at once
         assert got["most_layers_gathered"] <= 2, (mode, got["most_layers_gathered"], got["layers"])
+        if got["adapter_units"]:  # an adapter added after sharding: gathered with its layer, never all at once
+            assert got["most_adapter_layers_gathered"] <= 2 < got["layers"], (
+                mode,
+                got["most_adapter_layers_gathered"],
+            )
         # one synced pass per optimizer step, in which each sharded module reduce-scatters once
         assert got["synced_passes"] == 3
         assert got["collectives"]["reduce_scatter_single"] == 3 * got["sharded_modules"]
@@ -91,6 +98,11 @@ def assert_takes_the_single_process_steps(single: dict, sharded: dict, shards: i
         ("qwen3_5", "fully_shard", "torchrun"),  # GatedDeltaNet hybrid, sharded before the trainer gets it
         ("qwen3_moe", "shard_weights", "torchrun"),  # MoE
         ("glm_moe_dsa", "fully_shard", "torchrun"),  # MLA + DSA + MoE
+        # passed by its directory: the trainer loads it sharded (each rank reads its rows: transformers' load-time
+        # FSDP2 plan, whose final norm and LM head stay gathered from forward to backward); GLM-5 with LoRA added after
+        # the sharding (the adapter sharded then) and beta > 0
+        ("qwen3", "loaded", "torchrun"),
+        ("glm_moe_dsa", "loaded_lora", "torchrun"),
     ],
 )
 def test_two_fsdp2_ranks_take_the_single_process_steps(tmp_path, family, route, launcher):
@@ -102,6 +114,8 @@ def test_two_fsdp2_ranks_take_the_single_process_steps(tmp_path, family, route, 
     for mode in ("detach", "exact"):  # the ranks' prompts differ in length: some rank had to stand in for passes
         ranks = [torch.load(tmp_path / f"{family}-{route}-world2-rank{rank}.pt")[mode] for rank in range(2)]
         assert sum(report["stand_ins"] for report in ranks) > 0
+        assert all(report["loaded_sharded"] == route.startswith("loaded") for report in ranks)
+        assert all((report["adapter_units"] > 0) == (route == "loaded_lora") for report in ranks)
     assert sorted(sharded["rollout"]["completions"]) == sorted(single["rollout"]["completions"])
 
 
@@ -353,3 +367,44 @@ def test_a_model_loaded_without_its_weights_on_this_rank_is_refused(one_rank_gro
     model.model.layers[1].mlp.up_proj.weight = torch.nn.Parameter(torch.empty(8, 8, device="meta"))
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight \(and 0 more\) hold no weights"):
         make_trainer(model, tmp_path, shard_weights=True)
+
+
+def lora_on_sharded_qwen3(run_first: bool = False):
+    """A sharded model with PEFT's LoRA added afterwards (as TRL adds it to a model loaded sharded), optionally after a
+    forward of the sharded model."""
+    from peft import LoraConfig, get_peft_model
+
+    model = sharded_qwen3()
+    if run_first:
+        model(input_ids=torch.tensor([[1, 2, 3]]))
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+def test_an_adapter_added_to_a_sharded_model_is_sharded_as_units_of_its_own(one_rank_group, tmp_path):
+    trainer = make_trainer(lora_on_sharded_qwen3(), tmp_path)
+    trainable = [(name, param) for name, param in trainer.model.named_parameters() if param.requires_grad]
+    assert trainable and all(isinstance(param, DTensor) for _, param in trainable)
+    # lora_A and lora_B of q_proj and v_proj in each of the 2 layers
+    assert [type(unit).__name__ for unit in trainer._sharded.adapter_units] == ["FSDPLinear"] * 8
+
+
+def test_an_adapter_added_after_the_sharded_model_ran_is_refused(one_rank_group, tmp_path):
+    with pytest.raises(ValueError, match="added after the sharded model ran its first forward.*before running"):
+        make_trainer(lora_on_sharded_qwen3(run_first=True), tmp_path)
+
+
+def test_a_model_id_under_shard_weights_is_loaded_sharded_where_transformers_plan_applies():
+    """`load_sharded_kwargs`: transformers' load-time FSDP2 over every rank, unless the model is quantized, a
+    reference model would be loaded from the same kwargs, or the layer classes are not the decoder layers."""
+    kwargs = {"dtype": "bfloat16"}
+    loaded = load_sharded_kwargs(kwargs, 8, other_layer_classes=False, quantized=False, reference_model=False)
+    assert loaded["dtype"] == "bfloat16" and loaded["distributed_config"].fsdp_size == 8
+    assert "distributed_config" not in kwargs  # the caller's dict is left as it was
+    for whole in ({"world_size": 1}, {"quantized": True}, {"reference_model": True}, {"other_layer_classes": True}):
+        settings = {"world_size": 8, "other_layer_classes": False, "quantized": False, "reference_model": False}
+        assert load_sharded_kwargs(kwargs, **{**settings, **whole}) is kwargs, whole
+
+
+def test_a_distributed_config_of_ones_own_under_shard_weights_is_refused():
+    with pytest.raises(ValueError, match="distributed_config in model_init_kwargs.*Remove distributed_config"):
+        load_sharded_kwargs({"distributed_config": {"tp_size": 2}}, 8, False, False, False)

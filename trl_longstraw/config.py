@@ -99,8 +99,12 @@ class LongStrawGRPOConfig(GRPOConfig):
         shard_weights (`bool`, *optional*, defaults to `False`):
             Shard the weights, their gradients and the optimizer state over every rank with PyTorch's FSDP2: the
             trainer applies `fully_shard` to each decoder layer (the classes the model lists in `_no_split_modules`),
-            then to the causal LM, after any PEFT wrapping (see docs/sharded-weights.md). A model already sharded with
-            `fully_shard` is used as it is, without this flag. Composes with `context_parallel_size` (the weights
+            then to the causal LM, after any PEFT wrapping (see docs/sharded-weights.md). A model passed by id is
+            loaded sharded: each rank reads only its shards (transformers' `DistributedConfig(fsdp_size=world)`),
+            unless it is quantized, `shard_layer_classes` names other modules than its decoder layers, or `beta > 0`
+            without an adapter. A model already sharded with `fully_shard` (or loaded sharded) is used as it is,
+            without this flag; an adapter added after the sharding is sharded too. Composes with
+            `context_parallel_size` (the weights
             sharded over every rank of every CP group). An FSDP2 accelerate config (`distributed_type: FSDP`,
             `fsdp_version: 2`, TRL's fsdp2.yaml) or `fsdp`/`fsdp_config` arguments with version 2 set it, with the
             config's settings (refused where the trainer does not follow them).
@@ -201,8 +205,10 @@ class LongStrawGRPOConfig(GRPOConfig):
         default=False,
         metadata={
             "help": "Shard the weights, gradients and optimizer state over every rank with FSDP2 (fully_shard on each "
-            "decoder layer, then on the causal LM, after any PEFT wrapping). A model already sharded with fully_shard "
-            "is used as it is."
+            "decoder layer, then on the causal LM, after any PEFT wrapping). A model passed by id is loaded sharded, "
+            "each rank reading only its shards (transformers' DistributedConfig), unless quantized, with other "
+            "shard_layer_classes than its decoder layers, or with beta > 0 and no adapter. A model already sharded "
+            "with fully_shard (or loaded sharded) is used as it is."
         },
     )
     shard_layer_classes: list[str] | None = field(

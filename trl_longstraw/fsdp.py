@@ -12,6 +12,9 @@ Freeing: FSDP2 frees a module's gathered weights after its forward, except for a
 takes that for activation checkpointing's recompute, whose backward follows at once). LongStraw's replays run inside
 the loss's backward (the `ReplayedScores` node), so every sharded module under the root also frees its weights after
 each forward of a pass of the root; activation checkpointing's recomputes, which run a layer alone, keep FSDP2's rule.
+A unit sharded with `reshard_after_forward=False` (transformers' load-time plan groups the final norm with the LM head
+so) stays gathered from its forward to its backward, as FSDP2 keeps it. An adapter sharded after the model
+(`shard_added_parameters`) is gathered and freed with the decoder layer holding it (`ShardedPasses`, `adapter_units`).
 
 Gradients: FSDP2 reduce-scatters in a backward whose gradient sync is on. LongStraw keeps it off for every backward of
 the accumulation window (one per replayed member, one per exact-mode prompt chunk) and closes the window with one
@@ -19,6 +22,8 @@ synced pass on every rank (`reduce_gradients`), so gradients are reduce-scattere
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -43,13 +48,14 @@ def shard_count(model: nn.Module) -> int:
 
 
 def check_sharded_layout(causal_lm: nn.Module) -> None:
-    """The layout LongStraw drives under FSDP2: the causal LM itself is the root `fully_shard` module (its hooks gather
-    the embeddings, final norm and head around every forward LongStraw runs), and every trainable parameter is sharded
-    (FSDP2 then reduces every gradient; a replicated adapter would be averaged by nobody)."""
+    """The layout LongStraw drives under FSDP2: the causal LM itself is the root `fully_shard` module (its hooks, and
+    those of any unit inside it, gather the embeddings, final norm and head around every forward LongStraw runs), and
+    every trainable parameter is sharded (FSDP2 then reduces every gradient; a replicated one would be averaged by
+    nobody)."""
     fix = (
         "Shard the decoder layers, then the causal LM itself: `for layer in model.model.layers: fully_shard(layer)`, "
-        "then `fully_shard(model)`; with PEFT, call `get_peft_model` first and shard `peft_model.get_base_model()` "
-        "the same way."
+        "then `fully_shard(model)`, or load it sharded: `from_pretrained(..., "
+        "distributed_config=DistributedConfig(fsdp_size=world_size))`."
     )
     if not isinstance(causal_lm, FSDPModule):
         raise TypeError(
@@ -61,8 +67,34 @@ def check_sharded_layout(causal_lm: nn.Module) -> None:
     if replicated:
         raise ValueError(
             f"Trainable parameters {replicated[:3]} (and {max(len(replicated) - 3, 0)} more) are not sharded: they were "
-            f"added after `fully_shard`. {fix}"
+            f"added after `fully_shard` to modules that also hold sharded parameters. {fix}"
         )
+
+
+def shard_added_parameters(causal_lm: nn.Module) -> list[nn.Module]:
+    """Shard the trainable parameters added to a sharded model (PEFT's adapters, added by TRL after transformers
+    loaded the model sharded, or after the user's `fully_shard`): each module holding such parameters alone (an
+    adapter's `lora_A`/`lora_B` layer) becomes a `fully_shard` unit of its own over the model's mesh, before the
+    root's first forward (FSDP2 then finds it among the root's units). The units added: a pass with the adapter
+    disabled (the reference's) skips their forwards, so `ShardedPasses` gathers them with the unit holding them."""
+    mesh = next(param.device_mesh for param in causal_lm.parameters() if isinstance(param, DTensor))
+    added = [
+        module
+        for module in causal_lm.modules()
+        if not isinstance(module, FSDPModule)
+        and any(p.requires_grad for p in module.parameters(recurse=False))
+        and not any(isinstance(p, DTensor) for p in module.parameters(recurse=False))
+    ]
+    if added and isinstance(causal_lm, FSDPModule) and causal_lm._get_fsdp_state()._is_root is not None:
+        raise ValueError(
+            f"{type(added[0]).__name__} (and {len(added) - 1} more modules) hold trainable parameters added after the "
+            "sharded model ran its first forward, when FSDP2 has fixed its units: add the adapter (get_peft_model, "
+            "or pass a peft_config to the trainer) before running the model."
+        )
+    for module in added:  # gathered and freed by `ShardedPasses`, however often a pass runs it
+        fully_shard(module, mesh=mesh, reshard_after_forward=False)
+        module.set_reshard_after_backward(False)
+    return added
 
 
 def check_weights_loaded(model: nn.Module) -> None:
@@ -75,6 +107,33 @@ def check_weights_loaded(model: nn.Module) -> None:
             "which loads the weights on the first rank only. Create the LongStrawGRPOConfig before loading the model "
             "(it turns that loading off), or pass the model id to the trainer."
         )
+
+
+def load_sharded_kwargs(
+    init_kwargs: dict, world_size: int, other_layer_classes: bool, quantized: bool, reference_model: bool
+) -> dict:
+    """`model_init_kwargs` for a model the trainer loads by id under `shard_weights`: with transformers' load-time
+    FSDP2 (`distributed_config=DistributedConfig(fsdp_size=world_size)`), each rank reads only its rows of every
+    checkpoint tensor (MoE experts fused at load included) straight into its shards, so no process ever holds the
+    whole model. Its plan shards each decoder layer, the embeddings, and the final norm with the LM head (kept gathered
+    from forward to backward), then the causal LM as the root.
+
+    Returned unchanged (every rank loads the model whole, then the trainer shards it, `fully_shard_model`) where that
+    plan does not apply: a model quantized by bitsandbytes (transformers' sharded loading does not take it),
+    `shard_layer_classes` naming other modules than the decoder layers (`other_layer_classes`), and a reference model
+    (`reference_model`: beta > 0 without an adapter), which TRL loads from the same kwargs: loaded sharded, it would be
+    a second FSDP2 root, whose passes the ranks do not agree on; loaded whole, it is the whole model on every rank
+    anyway."""
+    if world_size == 1 or quantized or reference_model or other_layer_classes:
+        return init_kwargs
+    if "distributed_config" in init_kwargs:
+        raise ValueError(
+            "shard_weights=True with a distributed_config in model_init_kwargs: the trainer loads the model sharded "
+            "over every rank itself. Remove distributed_config from model_init_kwargs."
+        )
+    from transformers.distributed import DistributedConfig
+
+    return {**init_kwargs, "distributed_config": DistributedConfig(fsdp_size=world_size)}
 
 
 def fully_shard_model(causal_lm: nn.Module, layer_classes: list[str] | None = None) -> None:
@@ -145,6 +204,26 @@ def sharded_mesh_group(causal_lm: nn.Module) -> dist.ProcessGroup:
     return dist.group.WORLD
 
 
+def reshards_after_forward(module: FSDPModule) -> bool:
+    """Whether FSDP2 frees `module`'s gathered weights after its forward (`fully_shard(reshard_after_forward=...)`,
+    True by default). transformers' load-time plan keeps the final norm and LM head gathered from their forward to
+    their backward (one FSDP2 unit of both): LongStraw keeps them so too."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return group is not None and group.post_forward_mesh_info is not None
+
+
+def units_held(root: nn.Module, units: list[nn.Module]) -> dict[nn.Module, list[nn.Module]]:
+    """`units` by the innermost other `fully_shard` unit holding each (a decoder layer, else the root)."""
+    ids = {id(unit) for unit in units}
+    holders = {name: module for name, module in root.named_modules() if isinstance(module, FSDPModule)}
+    held: dict[nn.Module, list[nn.Module]] = {}
+    for name, module in root.named_modules():
+        if id(module) in ids:
+            owner = max((n for n in holders if n != name and (n == "" or name.startswith(n + "."))), key=len)
+            held.setdefault(holders[owner], []).append(module)
+    return held
+
+
 class ShardedPasses:
     """Keeps the ranks holding one FSDP2 model's shards in step, pass by pass (module docstring).
 
@@ -152,6 +231,11 @@ class ShardedPasses:
         root: the causal LM, the root `fully_shard` module.
         device: where the ranks' agreement tensor lives (the model's device: gloo on CPU, NCCL on GPU).
         group: the ranks that share the shards.
+        adapter_units: `fully_shard` units of adapter layers (`shard_added_parameters`). A pass with the adapter
+            disabled does not call them, and a pass through LongStraw's MLA attention calls `kv_b_proj` three times
+            where another rank's stand-in pass calls it once: so that every pass gathers the same units in the same
+            order, each is gathered when the unit holding it starts its forward and freed when that one ends, and
+            gathered again when the holder's backward starts and freed when it ends.
         context_parallel_size: ranks per context-parallel group. Each holds its share of its group's gradient, so the
             reduce-scatter's mean over every rank is multiplied by it: the sum of the shares, averaged over the
             data-parallel ranks (FSDP2's own divide factor would take a PREMUL_SUM, which gloo lacks).
@@ -163,6 +247,7 @@ class ShardedPasses:
         device: torch.device,
         group: dist.ProcessGroup | None = None,
         context_parallel_size: int = 1,
+        adapter_units: list[nn.Module] = (),
     ):
         self.root = root
         self.device = device
@@ -180,17 +265,60 @@ class ShardedPasses:
             root.register_forward_hook(self._after_forward, always_call=True),
         ]
         for module in root.modules():
-            if module is not root and isinstance(module, FSDPModule):
+            if module is not root and isinstance(module, FSDPModule) and reshards_after_forward(module):
                 self._hooks.append(module.register_forward_hook(self._free_after_forward))
+        self.adapter_units = list(adapter_units)
+        for holder, held in units_held(root, adapter_units).items():
+            gather = functools.partial(self._gather, held)
+            self._hooks.append(holder.register_forward_pre_hook(gather, with_kwargs=True))
+            self._hooks.append(holder.register_forward_hook(functools.partial(self._free, held)))
         self.context_parallel_size = context_parallel_size
+        self._free_adapters()  # the pre-flight passes ran before these hooks
 
     def _before_forward(self, module: nn.Module, args) -> None:
         if not self._standing_in:
             self._agree(BACKWARD if torch.is_grad_enabled() else FORWARD)
+        self._free_adapters()
         self._in_pass = True
 
     def _after_forward(self, module: nn.Module, args, output) -> None:
         self._in_pass = False
+
+    def _gather(self, units: list[FSDPModule], module: nn.Module, args, kwargs) -> None:
+        """Adapter units gathered with the unit holding them (`adapter_units`). Under autograd they are freed again
+        when the holder's backward has reached its input (a hook on the input's gradient); a holder whose input
+        takes no gradient (the first layer over frozen embeddings) keeps them until the next pass starts."""
+        for unit in units:
+            unit.unshard()
+        if torch.is_grad_enabled():
+            tensors = (value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor))
+            first = next((tensor for tensor in tensors if tensor.requires_grad), None)
+            if first is not None:
+                first.register_hook(functools.partial(self._free_in_backward, units))
+
+    def _free(self, units: list[FSDPModule], module: nn.Module, args, output) -> None:
+        """... and freed when the holder's forward ends, in a pass of the root. Under autograd, gathered again when
+        the holder's backward starts: a hook on its output's gradient, after FSDP2's own (which gathers the holder),
+        so every backward gathers the same units in the same order, whatever order the holder's backward then reaches
+        them in (an exact-mode prompt chunk's backward also enters each layer at its state entries)."""
+        if not self._in_pass:
+            return
+        for unit in units:
+            unit.reshard()
+        outputs = output if isinstance(output, tuple | list) else (output,)
+        first = next((t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if first is not None:
+            first.register_hook(functools.partial(self._gather_in_backward, units))
+
+    @staticmethod
+    def _gather_in_backward(units: list[FSDPModule], grad: torch.Tensor) -> None:
+        for unit in units:
+            unit.unshard()
+
+    @staticmethod
+    def _free_in_backward(units: list[FSDPModule], grad: torch.Tensor) -> None:
+        for unit in units:
+            unit.reshard()
 
     def _free_after_forward(self, module: nn.Module, args, output) -> None:
         """A sharded module's weights freed after its forward in a pass (module docstring): a no-op where FSDP2 has
@@ -228,6 +356,13 @@ class ShardedPasses:
         """Answer the other ranks' passes until every rank has finished this phase. Every rank calls it at the same
         point of the update, before any other collective."""
         self._agree(FINISHED)
+        self._free_adapters()
+
+    def _free_adapters(self) -> None:
+        """The adapter units kept from a pass's backward (`adapter_units`) sharded again: what the optimizer, the
+        gradient clipping and the next pass read."""
+        for unit in self.adapter_units:
+            unit.reshard()
 
     def reduce_gradients(self) -> None:
         """Close the accumulation window: one pass with gradient sync on, on every rank at once, after which FSDP2
@@ -238,6 +373,7 @@ class ShardedPasses:
             self._zero_pass(BACKWARD)
         finally:
             self.root.set_requires_gradient_sync(False)
+        self._free_adapters()
         if self.context_parallel_size > 1:
             for param in self.root.parameters():
                 if param.grad is not None:

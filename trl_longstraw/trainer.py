@@ -32,7 +32,7 @@ from trl.extras.profiling import profiling_context, profiling_decorator
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
-from .architectures import check_supported, longrope_switch_length
+from .architectures import check_supported, longrope_switch_length, model_skeleton
 from .attention import ATTENTION_IMPLEMENTATION, register_attention
 from .config import LongStrawGRPOConfig
 from .context_parallel import (
@@ -55,6 +55,8 @@ from .fsdp import (
     fully_shard_model,
     is_sharded,
     keep_4bit_layout,
+    load_sharded_kwargs,
+    shard_added_parameters,
     shard_count,
     sharded_mesh_group,
 )
@@ -290,6 +292,19 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             trust_remote_code = bool(init_kwargs.get("trust_remote_code", args.trust_remote_code))
             config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
             check_supported(config, trust_remote_code=trust_remote_code)  # its meta-device skeleton: no weights
+            if args.shard_weights:  # each rank loads its shards only, where transformers' FSDP2 plan applies
+                other_layer_classes = args.shard_layer_classes is not None and set(args.shard_layer_classes) != {
+                    type(layer).__name__
+                    for layer in model_skeleton(config, trust_remote_code=trust_remote_code).get_decoder().layers
+                }
+                quantization = kwargs.get("quantization_config") or init_kwargs.get("quantization_config")
+                args.model_init_kwargs = load_sharded_kwargs(
+                    init_kwargs,
+                    args.world_size,
+                    other_layer_classes,
+                    quantized=quantization is not None,
+                    reference_model=args.beta != 0.0 and kwargs.get("peft_config") is None,
+                )
         else:
             config = model.config
             check_supported(model)
@@ -312,8 +327,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         policy = self._causal_lm(self.model)
         if args.shard_weights or is_sharded(policy):
             keep_4bit_layout(policy)  # QLoRA: before any forward of the sharded model
+        adapter_units = []
         if args.shard_weights and not is_sharded(policy):
             fully_shard_model(policy, args.shard_layer_classes)  # after PEFT wrapping (TRL's), before the optimizer
+        elif is_sharded(policy):
+            adapter_units = shard_added_parameters(policy)  # e.g. the adapter TRL added to a model loaded sharded
         sharded = is_sharded(policy)
         if sharded:  # FSDP2 (fsdp.py)
             self._check_sharded(args)
@@ -332,7 +350,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._positions_follow_mask = positions_follow_mask(self._causal_lm(self.model))
         # Every rank ran the same pre-flight passes; from here on the ranks holding shards agree pass by pass.
         self._sharded = (
-            ShardedPasses(policy, self.accelerator.device, sharded_mesh_group(policy), args.context_parallel_size)
+            ShardedPasses(
+                policy, self.accelerator.device, sharded_mesh_group(policy), args.context_parallel_size, adapter_units
+            )
             if sharded
             else None
         )
