@@ -6,6 +6,7 @@ scoring and replay with the prompt sharded over the group, and saves what the te
 
 import os
 from contextlib import nullcontext
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from trl_longstraw.context_parallel import (
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine, prepare_model
 from trl_longstraw.state import AttentionPages, IndexerKeys, LatentPages
-from trl_longstraw.state.linear_attention import deferred_start_rule, is_gated_deltanet
+from trl_longstraw.state.linear_attention import is_gated_deltanet, state_passing_rule
 
 from .test_engine import chunked_attention_model
 
@@ -106,6 +107,10 @@ def attention_bytes(state, rolling=False):
 
 def check_family(family, mode, cp, device="cpu"):
     model = build_model(family, seed=0, **OVERRIDES.get(family, {})).to(device)
+    if mode == "exact_attention_trained":  # as LoRA on q_proj/v_proj trains: the recurrent layers below are frozen
+        mode = "exact"
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(".self_attn." in name)
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     prompt, completions, lengths, weights = case()
@@ -114,7 +119,7 @@ def check_family(family, mode, cp, device="cpu"):
     sharded = ContextParallelEngine(8, 4, prompt_gradient=mode, context_parallel=cp)
     whole, want_scores, want_logps, want_grads = update(reference, model, prompt, completions, lengths, weights)
     COMMUNICATION.clear()
-    rules = [deferred_start_rule(module) for module in model.modules() if is_gated_deltanet(module)]
+    rules = [state_passing_rule(module) for module in model.modules() if is_gated_deltanet(module)]
     state, scores, logps, grads = update(sharded, model, prompt, completions, lengths, weights)
     flat = torch.cat([g.reshape(-1) for g in grads.values()]).cpu()
     gathered = [torch.empty_like(flat) for _ in range(cp.size)]
@@ -138,6 +143,7 @@ def check_family(family, mode, cp, device="cpu"):
         "held": state.layout.held(cp.rank),
         "communication": dict(COMMUNICATION),
         "deferred_starts": sum(rule.deferred_runs for rule in rules),  # GatedDeltaNet rules run by state passing
+        "hand_offs": sum(rule.hand_off_runs for rule in rules),  # ... and recomputed so (exact mode)
         "gated_deltanet_layers": len(rules),
     }
 
@@ -276,7 +282,11 @@ ROLLOUT_FAMILIES = ("qwen3", "qwen3_5", "glm_moe_dsa", "gpt_oss")
 
 def run(rank, world_size, init_file, cases, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    # a rank left waiting for a peer (a hand-off nobody receives) fails the run instead of hanging it
+    timeout = timedelta(seconds=120)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timeout
+    )
     try:
         cp = ContextParallelGroup.of()
         results = {(family, mode): check_family(family, mode, cp) for family, mode in cases}

@@ -18,6 +18,9 @@ CASES = [
     ("qwen3", "exact"),
     ("qwen3_5", "detach"),
     ("qwen3_next", "exact"),
+    # only the attention layers train: the first chunk's frozen recurrent states take no gradient, yet the next
+    # chunk's rank sends theirs (received and dropped, or the ranks would wait for each other)
+    ("qwen3_5", "exact_attention_trained"),
     ("deepseek_v3", "detach"),
     ("deepseek_v3", "exact"),
     ("glm_moe_dsa", "detach"),  # MLA + DSA with IndexShare: the top-k merged across ranks
@@ -108,6 +111,25 @@ def test_gated_deltanet_chunks_receive_their_starting_state_after_their_zero_sta
         handed = sum(layout.owner(c) == rank and layout.owner(c - 1) != rank for c in chunks)
         assert handed > 0
         assert result["deferred_starts"] == handed * result["gated_deltanet_layers"]
+
+
+@pytest.mark.parametrize(
+    "case", [case for case in CASES if case[0] in ("qwen3_5", "qwen3_next") and case[1] == "exact"]
+)
+def test_gated_deltanet_recompute_chunks_hand_their_state_gradients_over_inside_their_rules(ranks, case):
+    """State passing backward: every recomputed chunk with a neighbour on the other rank runs each GatedDeltaNet
+    rule so that its backward receives the next chunk's share of its final state's gradient and sends its starting
+    state's (the gradients above are those of one process)."""
+    layout = ShardLayout.of(36, WORLD_SIZE, 8)
+    for rank, result in enumerate(rank[case] for rank in ranks):
+        chunks = range(len(layout.bounds))
+        bordering = sum(
+            layout.owner(c) == rank
+            and any(layout.owner(n) != rank for n in (c - 1, c + 1) if 0 <= n < len(layout.bounds))
+            for c in chunks
+        )
+        assert bordering > 0
+        assert result["hand_offs"] == bordering * result["gated_deltanet_layers"]
 
 
 @pytest.mark.parametrize("family", ROLLOUT_FAMILIES)

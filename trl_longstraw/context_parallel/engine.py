@@ -140,9 +140,9 @@ class ContextParallelEngine(LongStrawEngine):
         """Exact mode: the steps are recomputed in reverse, every rank its chunk of the step at once (the step's
         attention backward gives the pages of earlier steps their gradients where they live, before those are
         recomputed, and the step's chunks their gradients from each other); a chunk's starting recurrent states hand
-        their gradient to the previous chunk's final ones, layer by layer. Then the parameter gradients this added
-        are summed across the CP group (with `router_weights`, each rank's chunks add their tokens' share of the
-        load-balancing loss's gradient)."""
+        their gradient to the previous chunk's final ones (GatedDeltaNet's inside its rule's backward: state passing
+        backward). Then the parameter gradients this added are summed across the CP group (with `router_weights`,
+        each rank's chunks add their tokens' share of the load-balancing loss's gradient)."""
         if not self.sharded:
             return super().backward_prompt(model, state, prompt_ids, router_weights)
         layout = state.layout

@@ -14,8 +14,10 @@ another rank's pages is ever copied: a query's attention over them is computed w
   the holder of the next as each layer records them, in order (the conv state as soon as the mixer has its inputs):
   a GatedDeltaNet chunk runs its rule from the zero state and takes the starting recurrent state when it arrives
   (`defers_starting_state`, state passing), a Mamba2 chunk waits for its states (a wavefront: the next rank runs that
-  layer while this one goes on); in the recompute their gradients go back the same way, each layer's as soon as it
-  is accumulated.
+  layer while this one goes on); in the recompute their gradients go back the same way: a GatedDeltaNet rule's
+  backward takes the next chunk's share of its final state's gradient late and sends its starting state's at once
+  (`hands_off_state_gradients`, state passing backward), other states' gradients go as soon as they are accumulated
+  and are received as the backward reaches their layer.
 - Scoring and replay: every rank runs its own members, the group's ranks in step (`step.StepAttention` without chunks;
   DSA likewise). Rollouts: every rank decodes the same rows, each over its pages, merged (`merge.merge_across`).
 """
@@ -29,6 +31,7 @@ import torch
 
 from ..attention import KeyBlock, Visibility
 from ..state import LayerState, PromptState
+from ..state.recurrent import StateGradientHandOff
 from .communication import ContextParallelGroup
 from .merge import merge_across, merge_topk, partial_attention
 from .sharding import ContextParallelError, ShardLayout
@@ -68,6 +71,8 @@ class ShardedPromptState(PromptState):
         self._sending: list = []  # the hand-offs in flight (capture: states; recompute: their gradients)
         self._hooks: list = []  # recompute: the starting states' gradient hand-offs
         self._wrapped: set[int] = set()  # recompute: the recorded final states already wrapped
+        self._hand_offs: dict[int, StateGradientHandOff] = {}  # recompute: chunk-state tag -> its rule's hand-off
+        self._unread: list = []  # recompute: (like, source, tag) of the hand-offs no backward will receive
         self._chunk_state_tags: dict[int, int] = {}  # id(layer state) -> its first chunk state's message tag
         for layer in self.layers:
             self._chunk_state_tags[id(layer)] = sum(
@@ -319,6 +324,39 @@ class ShardedPromptState(PromptState):
 
         return layer.defer_start(start)
 
+    def hands_off_state_gradients(self, access, layer: LayerState) -> None:
+        """State passing backward (exact mode's recompute): a GatedDeltaNet chunk whose next chunk another rank holds
+        takes that rank's share of its final recurrent state's gradient inside its rule's backward, after
+        back-propagating the gradients at hand, and one whose previous chunk another rank holds sends its starting
+        state's gradient from there as soon as it is summed (`linear_attention.LateStateGradient`). So the ranks of a
+        step run each GatedDeltaNet layer's backward at once, a chunk waiting for the next chunk's scan backward, not
+        for its whole layer. Where the rule cannot take it (Mamba2; a one-token chunk), the gradient is received as
+        the backward reaches the layer (`recorded_chunk_state`): a wavefront."""
+        chunk = self.layout.chunk_at(access.prefix_length)
+        owners = [
+            self.layout.owner(c) if 0 <= c < len(self.layout.bounds) else self.cp.rank for c in (chunk - 1, chunk + 1)
+        ]
+        previous, following = (None if owner == self.cp.rank else owner for owner in owners)
+        if previous is None and following is None:
+            return
+        tag = self._chunk_state_tags[id(layer)] + layer.chunk_state_slot("recurrent")
+        hand_off = StateGradientHandOff(
+            receive=None if following is None else functools.partial(self._receive_state_gradient, following, tag),
+            send=None if previous is None else functools.partial(self._send_state_gradient, previous, tag),
+        )
+        if layer.hand_off_state_gradients(hand_off):
+            self._hand_offs[tag] = hand_off
+
+    def _receive_state_gradient(self, source: int, tag: int, final: torch.Tensor) -> torch.Tensor:
+        return self.cp.receive_tagged(torch.empty_like(final), source, tag)
+
+    def _send_state_gradient(self, target: int, tag: int, grad: torch.Tensor) -> None:
+        self._sending += self.cp.send_tagged(grad.sum(0, keepdim=True), target, tag)  # the rows share one state
+
+    def _taken_by_rule(self, tag: int) -> bool:
+        hand_off = self._hand_offs.get(tag)
+        return hand_off is not None and hand_off.taken
+
     def recorded_chunk_state(self, access, layer: LayerState, slot: int) -> None:
         """A capture: each final state of a chunk `layer` records goes to the next chunk's holder, in `chunk_states()`
         order (the conv state as soon as the mixer has its inputs, the recurrent state when its rule is done). A
@@ -329,6 +367,9 @@ class ShardedPromptState(PromptState):
         chunk = self.layout.chunk_at(access.prefix_length)
         after = chunk + 1 < len(self.layout.bounds) and self.layout.owner(chunk + 1) != self.cp.rank
         if access.mode == "recompute":
+            tag = self._chunk_state_tags[id(layer)] + slot
+            if (hand_off := self._hand_offs.get(tag)) is not None and not hand_off.taken:
+                layer.hand_off_state_gradients(None)  # not taken by this forward's rule: withdrawn
             if after:
                 self._receive_gradients(access, layer, self.layout.owner(chunk + 1))
             return
@@ -351,7 +392,12 @@ class ShardedPromptState(PromptState):
         values = [recorded] if single else list(recorded)
         first = self._chunk_state_tags[id(layer)]
         for slot, value in enumerate(values):
-            if value is not None and id(value) not in self._wrapped:
+            if value is None or id(value) in self._wrapped:
+                continue
+            self._wrapped.add(id(value))
+            if not value.requires_grad:  # no trained weight reaches it (frozen layers below): received, unused
+                self._unread.append((torch.empty_like(value), source, first + slot))
+            elif not self._taken_by_rule(first + slot):  # (else its rule's backward receives it)
                 values[slot] = ReceivedGradient.apply(value, self.cp, source, first + slot)
                 self._wrapped.add(id(values[slot]))
         access.recorded[layer] = values[0] if single else values
@@ -407,12 +453,19 @@ class ShardedPromptState(PromptState):
                 self._hooks.append(start.register_post_accumulate_grad_hook(send))
 
     def _send_gradient(self, leaf: torch.Tensor, target: int, tag: int) -> None:
-        self._sending += self.cp.send_tagged(leaf.grad.detach().clone(), target, tag)
+        if not self._taken_by_rule(tag):  # else its rule's backward sent it (`hands_off_state_gradients`)
+            self._sending += self.cp.send_tagged(leaf.grad.detach().clone(), target, tag)
 
     recompute_in_lockstep = True
 
     def after_recompute(self) -> None:
+        """The chunk's hand-offs completed: the gradients sent to it for states no trained weight reaches (the next
+        chunk's rank sends every one) received and dropped, its own sends waited for."""
+        for like, source, tag in self._unread:
+            self.cp.receive_tagged(like, source, tag)
+        self._unread = []
         self._wrapped.clear()
+        self._hand_offs.clear()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

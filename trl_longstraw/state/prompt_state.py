@@ -108,6 +108,10 @@ class PromptState:
         (context parallelism's state passing, state/linear_attention.py): the mixer then starts without it."""
         return False
 
+    def hands_off_state_gradients(self, access: StateAccess, layer: LayerState) -> None:
+        """Called as `layer` reads its recurrent starting state in an exact-mode recompute chunk: context parallelism
+        has the mixer's rule hand the state's gradients across ranks in its backward (state passing backward)."""
+
     def recorded_chunk_state(self, access: StateAccess, layer: LayerState, slot: int) -> None:
         """Called as `layer` records its chunk state `slot` in a capture or recompute forward (context parallelism
         hands a capture's to the next chunk's rank, and routes that rank's gradient into a recompute's)."""
@@ -367,6 +371,8 @@ class StateAccess(Cache):
         layer = self.state.of_layer(layer_idx, "recurrent")
         if self.mode == "capture" and self.state.defers_starting_state(self, layer):
             return None  # the mixer's rule takes it when it arrives
+        if self.mode == "recompute":
+            self.state.hands_off_state_gradients(self, layer)
         return self._chunk_states_of(layer_idx, "recurrent").recurrent_state(self, self.forward_batch_size)
 
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):

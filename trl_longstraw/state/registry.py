@@ -190,6 +190,13 @@ class LayerState(abc.ABC):
         of reading it as its forward begins (state passing under context parallelism, state/linear_attention.py)."""
         return False
 
+    def hand_off_state_gradients(self, hand_off) -> bool:
+        """Whether this recompute forward's mixer can hand its recurrent state's gradients across ranks inside its own
+        backward (`hand_off`: a `linear_attention.StateGradientHandOff`; state passing backward under context
+        parallelism, state/linear_attention.py) instead of receiving the final state's share as the backward reaches
+        the layer."""
+        return False
+
     def keep_chunk_state(self, states: list[torch.Tensor], value: torch.Tensor) -> None:
         """Keep `value` as the newest entry of one of `chunk_states()`'s lists: appended in exact mode (the recompute
         starts each chunk from its boundary), else in place of the last (only the final state is read)."""
