@@ -328,7 +328,7 @@ class ShardedPromptState(PromptState):
         """State passing backward (exact mode's recompute): a GatedDeltaNet chunk whose next chunk another rank holds
         takes that rank's share of its final recurrent state's gradient inside its rule's backward, after
         back-propagating the gradients at hand, and one whose previous chunk another rank holds sends its starting
-        state's gradient from there as soon as it is summed (`linear_attention.LateStateGradient`). So the ranks of a
+        state's gradient from there as soon as it is summed (`recurrent.LateStateGradient`). So the ranks of a
         step run each GatedDeltaNet layer's backward at once, a chunk waiting for the next chunk's scan backward, not
         for its whole layer. Where the rule cannot take it (Mamba2; a one-token chunk), the gradient is received as
         the backward reaches the layer (`recorded_chunk_state`): a wavefront."""
