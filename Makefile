@@ -23,8 +23,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	# two workers, a test file each at a time: most files run one process, which leaves the second core idle
-	WANDB_MODE=offline $(PYTHON) -m pytest -n 2 --dist loadfile
+	WANDB_MODE=offline $(PYTHON) -m pytest
 
 clean:
 	rm -rf $(VENV) outputs wandb .pytest_cache
