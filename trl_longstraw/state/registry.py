@@ -192,7 +192,7 @@ class LayerState(abc.ABC):
 
     def hand_off_state_gradients(self, hand_off) -> bool:
         """Whether this recompute forward's mixer can hand its recurrent state's gradients across ranks inside its own
-        backward (`hand_off`: a `linear_attention.StateGradientHandOff`; state passing backward under context
+        backward (`hand_off`: a `recurrent.StateGradientHandOff`; state passing backward under context
         parallelism, state/linear_attention.py) instead of receiving the final state's share as the backward reaches
         the layer."""
         return False
