@@ -389,7 +389,8 @@ def test_host_pages_cross_to_the_compute_device_contiguous_and_once(latents):
     block = KeyBlock(torch.arange(PREFIX), shared=True)
     with _Crossings() as crossings:
         positions = torch.arange(PREFIX, PREFIX + TOKENS)
-        chunks = list(attention._chunks(q, keys, values, block, fold, positions, CAUSAL, 4, None))
+        key_chunks = attention._KeyChunks(q, keys, values, block, fold, positions, CAUSAL, 4, None)
+        chunks = [(span, key_chunks.chunk(span)) for span in key_chunks.spans]
     assert [span for span, _ in chunks] == [slice(0, 4), slice(4, 8), slice(8, 9)]
     assert all(chunk.keys.device.type == chunk.values.device.type == "meta" for _, chunk in chunks)
     assert crossings.contiguous_sources == [True] * len(chunks) * heads * (1 if latents else 2)

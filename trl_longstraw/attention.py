@@ -27,9 +27,11 @@ chunk's output and gradients in the inputs' dtype, as SDPA does, before they joi
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 from transformers import AttentionInterface
@@ -95,6 +97,36 @@ def efficient_backward_operands(out: torch.Tensor, lse: torch.Tensor) -> tuple[t
     padded = lse.new_zeros((*lse.shape[:-1], -(-rows // 32) * 32))
     padded[..., :rows] = lse
     return out.transpose(1, 2).contiguous().transpose(1, 2), padded
+
+
+Item = TypeVar("Item")
+
+
+def every_item(items: Iterable[Item], key: Callable[[Item], Hashable]) -> Iterable[Item]:
+    """Every item of the loop: how the loops of `visits` run, outside a simulation."""
+    return items
+
+
+_VISITS: list[Callable] = [every_item]
+
+
+def visits(items: Iterable[Item], key: Callable[[Item], Hashable]) -> Iterable[Item]:
+    """The items of a loop whose consecutive iterations with equal `key(item)` are the same computation on other data
+    and leave the same tensors behind (a block's key chunks merged into one running output, a DSA indexer's key blocks
+    into one running top-k): every one, unless a simulation samples such runs (`sampled_visits`)."""
+    return _VISITS[-1](items, key)
+
+
+@contextlib.contextmanager
+def sampled_visits(visit: Callable[[Iterable[Item], Callable[[Item], Hashable]], Iterable[Item]]) -> Iterator[None]:
+    """Run the loops of `visits` through `visit(items, key)` instead: a simulation (`trl_longstraw.simulation`) runs
+    the first iterations of each run of equal keys and accounts the rest by their cost, which a run of 256 key chunks
+    per layer and member at 2M prompt tokens needs to finish in minutes."""
+    _VISITS.append(visit)
+    try:
+        yield
+    finally:
+        _VISITS.remove(visit)
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -389,7 +421,8 @@ def values_in_keys(keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether `values` are the first columns of `keys`, a view of the same pages (MLA's latents beside its latents +
     rope keys): staged or gathered once, as the keys."""
     return (
-        values.data_ptr() == keys.data_ptr()
+        values.untyped_storage() is keys.untyped_storage()  # not data_ptr(): a simulation's tensors have no data
+        and values.storage_offset() == keys.storage_offset()
         and values.stride() == keys.stride()
         and values.dtype == keys.dtype
         and values.shape[:-1] == keys.shape[:-1]
@@ -405,30 +438,50 @@ def select_entries(pages: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return pages.index_select(1, index)
 
 
-def _chunks(q, keys, values, block: KeyBlock, fold: _Fold, q_positions, visibility, chunk_size, softcap):
-    """The block's key chunks, staged onto the compute device (host-resident prompt state moves chunk by chunk).
+class _KeyChunks:
+    """A block's key chunks: their spans, what decides each one's computation besides its data (`kind`, from the
+    positions at the chunks' ends, read once per block: no tensor op per chunk), and a visited one's keys and values
+    staged onto the compute device (`chunk`: host-resident prompt state moves chunk by chunk).
 
     The forward's own keys stay whole when they form one square causal block the fused kernel takes (it never
     materialises the block's scores): cut at `chunk_size`, a capture chunk longer than the attention chunk would
     leave non-square causal pieces to plain-torch tiles (measured: 3.6x slower, 8x the peak).
     """
-    row_positions = fold.positions(q_positions)
-    if not block.shared and keys.shape[1] > chunk_size:
-        whole = _Chunk(keys, values, row_positions, block.positions, visibility)
-        if _fusable(whole, q, softcap) == "causal":
-            chunk_size = keys.shape[1]
-    shares_pages = values_in_keys(keys, values)
-    for start in range(0, keys.shape[1], chunk_size):
-        end = min(start + chunk_size, keys.shape[1])
-        chunk_keys = stage(keys[:, start:end], q.device)
-        chunk_values = chunk_keys[..., : values.shape[-1]] if shares_pages else stage(values[:, start:end], q.device)
-        if block.dequantize is not None:
-            index = torch.arange(start, end, device=keys.device)  # where the pages (and their scales) live
-            chunk_keys, chunk_values = block.dequantize(chunk_keys, chunk_values, index)
-        yield (
-            slice(start, end),
-            _Chunk(chunk_keys, chunk_values, row_positions, block.positions[start:end], visibility),
+
+    def __init__(self, q, keys, values, block: KeyBlock, fold: _Fold, q_positions, visibility, chunk_size, softcap):
+        self.q, self.keys, self.values, self.block, self.visibility = q, keys, values, block, visibility
+        self.row_positions = fold.positions(q_positions)
+        count = keys.shape[1]
+        if not block.shared and count > chunk_size:
+            whole = _Chunk(keys, values, self.row_positions, block.positions, visibility)
+            if _fusable(whole, q, softcap) == "causal":
+                chunk_size = count
+        self.spans = [slice(start, min(start + chunk_size, count)) for start in range(0, count, chunk_size)]
+        self.shares_pages = values_in_keys(keys, values)
+        self._firsts = block.positions[::chunk_size].tolist()
+        self._lasts = block.positions[chunk_size - 1 :: chunk_size].tolist()
+        if count % chunk_size:
+            self._lasts.append(int(block.positions[-1]))
+        self._queries = (int(q_positions.min()), int(q_positions.max())) if q_positions.numel() else (0, 0)
+        self._size = chunk_size
+
+    def kind(self, span: slice) -> Hashable:
+        """The chunk's length, and whether every query sees every key of it (`sees_every_key`, on the positions at
+        its ends): chunks alike in both run the same computation on other data (`visits`)."""
+        index = span.start // self._size
+        first, last = self._firsts[index], self._lasts[index]
+        sees_all = last <= self._queries[0] and window_keeps_all(self.visibility, first, self._queries[1])
+        return span.stop - span.start, sees_all
+
+    def chunk(self, span: slice) -> _Chunk:
+        keys = stage(self.keys[:, span], self.q.device)
+        values = (
+            keys[..., : self.values.shape[-1]] if self.shares_pages else stage(self.values[:, span], self.q.device)
         )
+        if self.block.dequantize is not None:
+            index = torch.arange(span.start, span.stop, device=self.keys.device)  # where the pages (and scales) live
+            keys, values = self.block.dequantize(keys, values, index)
+        return _Chunk(keys, values, self.row_positions, self.block.positions[span], self.visibility)
 
 
 class _Picked:
@@ -604,16 +657,15 @@ def blocks_forward(q, q_positions, scaling, visibility, chunk_size, softcap, blo
             continue
         if block.picked is not None:
             picked = _Picked(q, keys, values, block, q_positions, visibility, chunk_size)
-            parts = [picked.forward(q, scaling, softcap)]
-        else:
-            fold = _Fold(batch, heads, tokens, keys.shape[0], block.shared)
-            q_folded = fold.fold(q)
-            parts = (
-                _chunk_forward(q_folded, chunk, scaling, softcap)
-                for _, chunk in _chunks(q, keys, values, block, fold, q_positions, visibility, chunk_size, softcap)
-            )
-            parts = ((fold.unfold(o), fold.unfold(part_lse[..., None])[..., 0]) for o, part_lse in parts)
-        for part in parts:
+            part = picked.forward(q, scaling, softcap)
+            out, lse = part if out is None else merge_by_lse(out, lse, *part)
+            continue
+        fold = _Fold(batch, heads, tokens, keys.shape[0], block.shared)
+        q_folded = fold.fold(q)
+        chunks = _KeyChunks(q, keys, values, block, fold, q_positions, visibility, chunk_size, softcap)
+        for span in visits(chunks.spans, key=chunks.kind):
+            o, part_lse = _chunk_forward(q_folded, chunks.chunk(span), scaling, softcap)
+            part = (fold.unfold(o), fold.unfold(part_lse[..., None])[..., 0])
             out, lse = part if out is None else merge_by_lse(out, lse, *part)
     return out, lse
 
@@ -649,14 +701,15 @@ def blocks_backward(d_out, q, q_positions, out, lse, scaling, visibility, chunk_
         d_keys = torch.zeros(keys.shape, dtype=keys.dtype, device=keys.device) if need_k else None
         d_values = torch.zeros(values.shape, dtype=values.dtype, device=values.device) if need_v else None
         d_q_folded = torch.zeros_like(folded[0], dtype=out.dtype) if need_q else None
-        for span, chunk in _chunks(q, keys, values, block, fold, q_positions, visibility, chunk_size, softcap):
+        chunks = _KeyChunks(q, keys, values, block, fold, q_positions, visibility, chunk_size, softcap)
+        for span in visits(chunks.spans, key=chunks.kind):
             dq, dk, dv = _chunk_backward(
                 folded[1],
                 folded[0],
                 folded[2],
                 folded_lse,
                 folded_d_row,
-                chunk,
+                chunks.chunk(span),
                 scaling,
                 softcap,
                 (need_q, need_k, need_v),

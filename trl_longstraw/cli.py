@@ -1,5 +1,7 @@
 """`trl-longstraw`: the project's console script. `trl-longstraw plan MODEL ...` prints a run's memory per device
-(`plan.py`) before anything is launched; exit status 0 when it fits, 1 when it does not, 2 on bad input."""
+(`plan.py`) before anything is launched, and with `--simulate` one update simulated at full size on fake CUDA tensors
+(`simulation/`); exit status 0 when it fits, 1 when it does not (by the simulation's peak when simulated), 2 on bad
+input, 3 when the simulation failed."""
 
 from __future__ import annotations
 
@@ -72,8 +74,29 @@ def plan_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--gpus", type=int, default=None, help="devices available (bounds the CP suggestion)")
     parser.add_argument("--gpu-memory", type=float, default=None, help="usable memory per device, GiB")
+    parser.add_argument(
+        "--prompt-gradient",
+        choices=("detach", "exact"),
+        default=_default(LongStrawGRPOConfig, "prompt_gradient"),
+        help="the plan models detach mode (exact: a lower bound); --simulate runs either",
+    )
+    parser.add_argument("--beta", type=float, default=_default(GRPOConfig, "beta"), help="KL coefficient (reference)")
+    parser.add_argument("--num-iterations", type=int, default=_default(GRPOConfig, "num_iterations"))
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    simulation = parser.add_argument_group(
+        "simulation", "run one real update at full size on fake CUDA tensors (docs/simulation.md)"
+    )
+    simulation.add_argument(
+        "--simulate", action="store_true", help="also simulate the update, and judge the fit by its peak"
+    )
+    simulation.add_argument(
+        "--simulate-rank", type=int, default=None, help="the rank to play in a world of several (default: the busiest)"
+    )
+    simulation.add_argument(
+        "--device-spec", default="H200", help="the device of the roofline times: H200, H100, H20, B200 or A100"
+    )
+    simulation.add_argument("--decode-steps", type=int, default=0, help="rollout steps to simulate before the update")
     return parser
 
 
@@ -101,6 +124,16 @@ def check_plan_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error("--prompt-state-dtype float8_e4m3fn is for bf16/fp16 runs: drop it with --dtype float32")
     if args.gpu_memory is not None and args.gpu_memory <= 0:
         parser.error(f"--gpu-memory must be positive (GiB), got {args.gpu_memory}")
+    if args.num_iterations < 1:
+        parser.error(f"--num-iterations must be at least 1, got {args.num_iterations}")
+    if args.decode_steps < 0:
+        parser.error(f"--decode-steps must be 0 or more, got {args.decode_steps}")
+    from .simulation.devices import DEVICE_SPECS, device_spec
+
+    try:
+        device_spec(args.device_spec)
+    except ValueError:
+        parser.error(f"--device-spec {args.device_spec!r}: choose one of {', '.join(DEVICE_SPECS)}")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -136,7 +169,43 @@ def run_plan(args: argparse.Namespace) -> int:
             devices=args.gpus,
             weight_shards=weight_shards,
         )
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    simulated = None
+    if args.simulate:
+        from .simulation import SimulationFailed, simulate
+
+        try:
+            simulated = simulate(
+                config,
+                setup,
+                model=name,
+                context_parallel=context_parallel,
+                weight_shards=weight_shards,
+                rank=args.simulate_rank,
+                device=args.device_spec,
+                decode_steps=args.decode_steps,
+                progress=not args.json,
+            )
+        except ValueError as error:  # a rank outside the world, shards that do not span it
+            print(f"trl-longstraw plan: {error}", file=sys.stderr)
+            return 2
+        except SimulationFailed as error:
+            print(f"trl-longstraw plan: {error}", file=sys.stderr)
+            return 3
+    if args.json:
+        result = plan.to_dict()
+        if simulated is not None:
+            result["simulated"] = simulated.to_dict()
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_plan(plan))
+        if simulated is not None:
+            print()
+            print(simulated.format())
+            if budget is not None:
+                verdict = "FITS" if simulated.peak_gib * GIB <= budget else "DOES NOT FIT"
+                print(f"{verdict} by the simulation: {simulated.peak_gib:,.2f} of {budget / GIB:,.2f} GiB per device.")
+    if simulated is not None and budget is not None:
+        return 1 if simulated.peak_gib * GIB > budget else 0
     return 1 if plan.fits is False else 0
 
 
@@ -155,6 +224,9 @@ def setup_from_flags(args: argparse.Namespace) -> UpdateSetup:
         prefill_chunk_size=args.prefill_chunk_size,
         attention_chunk_size=args.attention_chunk_size,
         dtype_bytes=4 if args.dtype == "float32" else 2,
+        prompt_gradient=args.prompt_gradient,
+        beta=args.beta,
+        num_iterations=args.num_iterations,
     )
 
 

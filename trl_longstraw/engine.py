@@ -20,7 +20,8 @@ routing ([`~trl_longstraw.load_balancing.RouterLoad`]): the capture's on the sta
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .attention import ATTENTION_IMPLEMENTATION, STATE_KWARG, register_attention
 from .load_balancing import MoeRouting, RouterLoad, recorded_router_logits
+from .loss import member_backward
 from .state import PromptState, StateAccess, UnpreparedModelError, plan_layers
 from .state.suffix import Suffix
 
@@ -167,6 +169,17 @@ def on_the_heads_device(model: nn.Module):
     """
     device = model.get_output_embeddings().weight.device
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+@dataclass
+class ReplayedMembers:
+    """What `LongStrawEngine.replay_group` replayed here: the members (indices into the group), one flag each for
+    whether its log-probs were finite (on the device: read once by the caller, not a sync per member), and whether the
+    load-balancing loss found its router probabilities without a graph (reentrant activation checkpointing)."""
+
+    members: list[int]
+    finite: torch.Tensor
+    routing_detached: bool = False
 
 
 @dataclass
@@ -367,6 +380,70 @@ class LongStrawEngine:
         )
         logps, entropies = logps[0, :length], None if entropies is None else entropies[0, :length]
         return (logps, entropies, load) if router_load else (logps, entropies)
+
+    def replay_group(
+        self,
+        model: nn.Module,
+        state: PromptState,
+        last_prompt_token: torch.Tensor,
+        completions: torch.Tensor,
+        lengths: list[int],
+        grad_logps: torch.Tensor,
+        grad_entropies: torch.Tensor | None = None,
+        router_weights: torch.Tensor | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> ReplayedMembers:
+        """The update of one group's members against its state: each member this process replays (`members`), one at a
+        time under autograd (in `autocast()`), back-propagating its share of the loss's gradient (`grad_logps`,
+        `grad_entropies` `[members, T]`; with `router_weights`, the load-balancing loss's through its tokens' routing).
+
+        `completions [members, T]` with `lengths` real tokens each. A member without tokens is skipped unless the
+        load-balancing loss reads its last prompt token's routing; under `lockstep` a round without a member of this
+        process runs a `stand_in`. Under reentrant activation checkpointing the router logits carry no graph (in stock
+        too, whose loss then gets none of this gradient): the load-balancing loss adds nothing, with a warning.
+        """
+        finite, replayed, routing_detached = [], [], False
+        for member in self.members(len(lengths)):
+            length = 0 if member is None else lengths[member]
+            if member is None or (length == 0 and router_weights is None):
+                if self.lockstep:  # a round without a member of this process's: in step anyway
+                    self.stand_in(model, state, last_prompt_token, completions[0])
+                continue
+            with autocast():
+                logps, entropies, *load = self.replay(
+                    model,
+                    state,
+                    last_prompt_token,
+                    completions[member],
+                    length,
+                    router_load=router_weights is not None,
+                )
+            finite.append(torch.isfinite(logps.detach()).all())
+            replayed.append(member)
+            router_objective = load[0].objective(router_weights) if load else None
+            if router_objective is not None and not router_objective.requires_grad:
+                routing_detached, router_objective = True, None
+                warnings.warn(
+                    "The MoE load-balancing loss gets no gradient: reentrant activation checkpointing runs the router "
+                    "inside no_grad (GRPOTrainer's loss gets none either). Set gradient_checkpointing_kwargs="
+                    "{'use_reentrant': False} to train it.",
+                    stacklevel=2,
+                )
+            member_backward(
+                logps,
+                entropies,
+                grad_logps[member, :length],
+                None if grad_entropies is None else grad_entropies[member, :length],
+                router_objective,
+            )
+        finite = torch.stack(finite) if finite else torch.ones(0, dtype=torch.bool)
+        return ReplayedMembers(replayed, finite, routing_detached)
+
+    def stand_in(self, model: nn.Module, state: PromptState, last_prompt_token, completion) -> None:
+        """A replay that adds nothing (one token, zero gradient), for a round where this process has no member while
+        the others of its group replay (`lockstep`): its forward and backward meet theirs."""
+        logps, _ = self.replay(model, state, last_prompt_token, completion, 1)
+        logps.backward(torch.zeros_like(logps))
 
     @torch.no_grad()
     def decode(self, model: nn.Module, state: PromptState, suffix: Suffix, token_ids: torch.Tensor) -> torch.Tensor:

@@ -404,6 +404,9 @@ def trainer_setup(config: PretrainedConfig, model, args, peft_config=None, quant
         dtype_bytes=4 if full_width else 2,
         # a process's rows that do not hold whole groups can start mid-group: one more prompt at most
         prompts_per_generation=(-(-rows // group) + (1 if rows % group else 0)) if rollout else 0,
+        prompt_gradient=args.prompt_gradient,
+        beta=args.beta,
+        num_iterations=args.num_iterations,
     )
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -751,49 +750,22 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 state = self._policy_state(causal_lm, group)
                 if exact:
                     state.requires_grad_()  # its gradient buffers make it single-use: never kept
-                finite, members = [], []  # one flag per replayed member, checked once per group (no sync per member)
-                routing_detached = False
                 with self._phase("replay"):
                     # under context parallelism each rank replays its own members, the group's ranks in step
-                    for member in self.engine.members(len(group.rows)):
-                        length = 0 if member is None else group.completion_lengths[member]
-                        if member is None or (length == 0 and router_weights is None):
-                            if self.engine.lockstep:  # a round without a member of this rank's: in step anyway
-                                self.engine.stand_in(
-                                    causal_lm, state, group.prompt_ids[-1:], completion_ids[group.rows[0]]
-                                )
-                            continue
-                        row = group.rows[member]
-                        with self.accelerator.autocast():
-                            member_logps, member_entropies, *member_load = self.engine.replay(
-                                causal_lm,
-                                state,
-                                group.prompt_ids[-1:],
-                                completion_ids[row],
-                                length,
-                                router_load=router_weights is not None,
-                            )
-                        finite.append(torch.isfinite(member_logps.detach()).all())
-                        members.append(member)
-                        router_objective = member_load[0].objective(router_weights) if member_load else None
-                        if router_objective is not None and not router_objective.requires_grad:
-                            routing_detached, router_objective = True, None
-                            warnings.warn(
-                                "The MoE load-balancing loss gets no gradient: reentrant activation checkpointing "
-                                "runs the router inside no_grad (GRPOTrainer's loss gets none either). Set "
-                                "gradient_checkpointing_kwargs={'use_reentrant': False} to train it.",
-                                stacklevel=2,
-                            )
-                        member_backward(
-                            member_logps,
-                            member_entropies,
-                            group_grad[member, :length],
-                            None if group_grad_entropies is None else group_grad_entropies[member, :length],
-                            router_objective,
-                        )
-                        replayed = True
-                    finite = torch.stack(finite) if finite else torch.ones(0, dtype=torch.bool)
-                    self._check_members(finite, "the replayed log-probs", group, members)
+                    replayed_here = self.engine.replay_group(
+                        causal_lm,
+                        state,
+                        group.prompt_ids[-1:],
+                        completion_ids[rows],
+                        group.completion_lengths,
+                        group_grad,
+                        group_grad_entropies,
+                        router_weights,
+                        autocast=self.accelerator.autocast,
+                    )
+                    self._check_members(replayed_here.finite, "the replayed log-probs", group, replayed_here.members)
+                replayed = replayed or bool(replayed_here.members)
+                routing_detached = replayed_here.routing_detached
                 if exact:
                     with self._phase("prompt_backward"), self.accelerator.autocast():
                         self.engine.backward_prompt(

@@ -327,6 +327,9 @@ class UpdateSetup:
     attention_chunk_size: int = 4096
     dtype_bytes: int = 2
     prompts_per_generation: int = 1  # distinct prompts of a process's generation batch (0: generation not modelled)
+    prompt_gradient: Literal["detach", "exact"] = "detach"  # the plan models detach mode; a simulation runs either
+    beta: float = 0.0  # != 0: the reference model's capture and scores (GRPOConfig.beta)
+    num_iterations: int = 1  # > 1: the old policy's scores (GRPOConfig.num_iterations)
 
     @property
     def adapter_value_bytes(self) -> int:

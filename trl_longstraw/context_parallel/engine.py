@@ -103,12 +103,6 @@ class ContextParallelEngine(LongStrawEngine):
         load = RouterLoad.zeros(self.routing, self._device(model)) if load is None else load
         return logps, entropies, self._summed_over_group(load, kind="scores")
 
-    def stand_in(self, model, state, last_prompt_token, completion) -> None:
-        """A replay that adds nothing (one token, zero gradient), for a round where this rank has no member: its
-        forward and backward meet the group's collectives."""
-        logps, _ = self.replay(model, state, last_prompt_token, completion, 1)
-        logps.backward(torch.zeros_like(logps))
-
     def layout(self, prompt_tokens: int) -> ShardLayout:
         """The chunks of a prompt of `prompt_tokens` tokens (all but the last captured) over the CP group."""
         check_prompt_length(prompt_tokens, self.context_parallel.size)

@@ -27,6 +27,7 @@ import inspect
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..attention import visits
 from .mla import is_multi_head_latent_attention
 from .placement import Pages
 from .prompt_state import StateAccess
@@ -207,7 +208,9 @@ class IndexerKeys(LayerState):
         rows = -(-tokens // -(-tokens // rows))  # as many row blocks as that needs, evened out
         row_blocks = [(start, min(start + rows, tokens)) for start in range(0, tokens, rows)]
         bests = [None if best is None else (best[0][:, a:b], best[1][:, a:b]) for a, b in row_blocks]
-        for start in range(0, limit, keys_per_call):
+        for start in visits(
+            range(0, limit, keys_per_call), key=lambda start: min(start + keys_per_call, limit) - start
+        ):
             end = min(start + keys_per_call, limit)
             keys = self.prompt.placement.stage(self.keys.read(end)[:, start:end], hidden.device)
             key_index = self.prompt.global_indices(start, end).to(hidden.device)

@@ -1,0 +1,268 @@
+"""The simulated device: fake CUDA tensors (shapes, dtypes, no storage) beside real host values.
+
+A simulation runs the real update code on `torch._subclasses.FakeTensorMode` tensors: every tensor on the simulated
+accelerator is fake, and its ops run their shape functions only (PyTorch's meta kernels, and the fake
+implementations of custom ops: bitsandbytes' 4-bit ops, the stand-ins of `stand_ins.py`). Two things a fake tensor
+cannot give, the update needs:
+
+- **Host values.** LongStraw keeps positions, lengths and chunk bounds on the host and reads them to choose kernels
+  (`attention.py`); those must stay real. [`SimulatedDevice`] runs an op for real when it touches no fake tensor and
+  makes nothing large on the host (`HOST_REAL_BYTES`); host memory the update holds (pinned prompt-state pages) is
+  fake like the device's.
+- **Small integer values on the device.** Token ids, completion lengths and masks decide shapes (TRL's fused LM head
+  scores the label mask's positions only) and control flow. Every integer or boolean tensor of at most
+  `SHADOW_ELEMENTS` elements computed from known values carries a *shadow*: the same op run on the host on real
+  values. A read of a device value (`.item()`, `bool(...)`) or an op whose output shape depends on values (a boolean
+  mask's index, `nonzero`) uses the shadow.
+- **Bounds.** Without a shadow, a small integer tensor may still carry bounds its ops imply (a comparison is 0 or 1, a
+  sum of `n` of them at most `n`, its max no more): a read of it is answered by its upper bound, what memory must be
+  provisioned for (DSA's count of a block's top-k picks: at most k), and counted (`answered_reads`). A boolean read
+  without either (a finiteness check, `tensor.any()`) is answered as the healthy run's, True, and counted; any other
+  read raises `SimulationError`.
+
+On a torch build without CUDA, torch itself asks a CUDA device for a device guard and, in autograd, a current stream:
+`fake_cuda_library` compiles (once, cached) `fake_cuda.cpp`, which registers c10's fake guard and CUDA hooks, and the
+simulation's own process loads it before importing torch (`simulation/__init__.py`). A CUDA build needs none of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from collections import Counter
+from importlib.resources import files
+from pathlib import Path
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .tracker import _METADATA, tensors_of
+
+aten = torch.ops.aten
+
+HOST_REAL_BYTES = 64 * 2**20  # a host allocation larger than this is fake (pinned prompt-state pages, staging)
+SHADOW_ELEMENTS = 2**23  # integer/bool device tensors up to this size carry their host values (8M: a 2M prompt's ids)
+_INTEGRAL = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_FACTORIES = {aten.empty.memory_format, aten.empty_strided.default, aten.zeros.default, aten.ones.default,
+              aten.full.default, aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default,
+              aten.full_like.default, aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default,
+              aten.new_full.default}  # fmt: skip
+
+
+class SimulationError(RuntimeError):
+    """The update read something a simulation cannot know (a device value without a shadow)."""
+
+
+def fake_cuda_library(cache: Path | None = None) -> Path | None:
+    """The compiled `fake_cuda.cpp` for this torch build (built once into `cache`, by default
+    `$XDG_CACHE_HOME/trl_longstraw` or `~/.cache/trl_longstraw`), or None where torch has CUDA built in and needs
+    none. Needs a C++17 compiler (`$CXX`, else `c++`) and torch's headers, which its wheels carry."""
+    if torch.backends.cuda.is_built():
+        return None
+    source = files("trl_longstraw.simulation").joinpath("fake_cuda.cpp").read_bytes()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    key = hashlib.sha256(source + f"{torch.__version__};{abi}".encode()).hexdigest()[:16]
+    root = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trl_longstraw"
+    library = root / f"fake_cuda-{key}.so"
+    if library.is_file():
+        return library
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise SimulationError(
+            "The simulation needs a C++ compiler on a torch build without CUDA (it compiles a 30-line stand-in "
+            "CUDA device guard once): install one (e.g. `apt install g++`) or set CXX."
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    torch_dir = Path(torch.__file__).parent
+    source_file = root / f"fake_cuda-{key}.cpp"
+    source_file.write_bytes(source)
+    partial = library.with_suffix(f".{os.getpid()}.tmp")
+    command = [
+        compiler, "-O1", "-std=c++20", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{torch_dir / 'include'}", str(source_file), f"-L{torch_dir / 'lib'}", f"-Wl,-rpath,{torch_dir / 'lib'}",
+        "-lc10", "-ltorch_cpu", "-o", str(partial),
+    ]  # fmt: skip
+    built = subprocess.run(command, check=False, capture_output=True, text=True)
+    if built.returncode != 0:
+        raise SimulationError(f"Compiling the simulation's stand-in CUDA runtime failed:\n{built.stderr[-2000:]}")
+    partial.replace(library)  # atomic: a concurrent build finds a whole library or none
+    return library
+
+
+def _is_fake(value) -> bool:
+    return isinstance(value, FakeTensor)
+
+
+class SimulatedDevice(FakeTensorMode):
+    """`FakeTensorMode` for a simulation: fake tensors on the accelerator and for large host memory, real host values
+    elsewhere, shadows of small integer device tensors (module docstring)."""
+
+    def __init__(self):
+        super().__init__(allow_non_fake_inputs=True)
+        self.shadows = WeakIdKeyDictionary()  # fake tensor -> its real values on the host
+        self.bounds = WeakIdKeyDictionary()  # fake tensor without a shadow -> (lowest, highest) value
+        self.answered_reads: Counter = Counter()  # reads without a shadow: "upper bound", "bool"
+        self.collectives = None  # the simulated world's `MirroredCollectives` (world.py), in a world of several ranks
+
+    # ----------------------------------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten.detach.default or func in _METADATA:  # no values, no allocation, asked constantly
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        flat = list(tensors_of(args, kwargs.values()))
+        if not any(_is_fake(value) for value in flat) and self._stays_on_host(func, args, flat, kwargs):
+            with unset_fake_temporarily():
+                out = func(*args, **kwargs)
+                self._mirror(func, args)
+            return out
+        if func is aten._local_scalar_dense.default:
+            return self._read(args[0])
+        if func in (aten._assert_async.default, aten._assert_async.msg):
+            return None
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        except (DynamicOutputShapeException, DataDependentOutputException):
+            return self._from_shadows(func, args, kwargs)
+        self._shadow(func, args, kwargs, out)
+        if _is_fake(out) and out not in self.shadows and out.dtype in _INTEGRAL:
+            bound = self._bound(func, args, kwargs, out)
+            if bound is not None:
+                self.bounds[out] = bound
+        return out
+
+    @staticmethod
+    def _stays_on_host(func, args, flat, kwargs) -> bool:
+        """Whether an op without fake inputs runs for real: on the host, and not a large or pinned host allocation."""
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type != "cpu":
+            return False
+        if any(tensor.device.type != "cpu" for tensor in flat):
+            return False
+        if func in _FACTORIES:
+            if kwargs.get("pin_memory"):
+                return False
+            size = next((value for value in args if isinstance(value, (list, tuple, torch.Size))), None)
+            numel = _numel(size) if size is not None else (flat[0].numel() if flat else 1)
+            dtype = kwargs.get("dtype") or (flat[0].dtype if flat else torch.get_default_dtype())
+            return numel * dtype.itemsize <= HOST_REAL_BYTES
+        return True
+
+    # -- shadows -----------------------------------------------------------------------------------------------------
+    def _host_values(self, value):
+        """A fake tensor's shadow (None without one); anything else as it is."""
+        if _is_fake(value):
+            return self.shadows.get(value)
+        return value
+
+    def _shadow(self, func, args, kwargs, out) -> None:
+        """Run `func` on the host on its inputs' real values and keep the results as `out`'s shadows, where `out`
+        holds small integer tensors and every fake input has a shadow; drop a written input's stale shadow."""
+        outputs = [tensor for tensor in tensors_of(out) if _is_fake(tensor)]
+        if not outputs:
+            return
+        wanted = all(t.dtype in _INTEGRAL and t.numel() <= SHADOW_ELEMENTS for t in outputs)
+        known = wanted and all(
+            not _is_fake(value) or value in self.shadows for value in tensors_of(args, kwargs.values())
+        )
+        if not (wanted and known) or torch.Tag.nondeterministic_seeded in func.tags and not self._seeded(func):
+            for tensor in outputs:  # an in-place op on unknown values leaves its input unknown
+                self.shadows.pop(tensor, None)
+            return
+        host_args, host_kwargs = tree_map(self._host_values, (args, kwargs))
+        if "device" in host_kwargs:
+            host_kwargs["device"] = torch.device("cpu")
+        with unset_fake_temporarily():
+            result = func(*host_args, **host_kwargs)
+            self._mirror(func, host_args)
+        for tensor, values in zip(outputs, list(tensors_of(result))):
+            self.shadows[tensor] = values
+
+    def _mirror(self, func, host_args) -> None:
+        """Host values through a collective, as the simulated world's peers would send them (world.py)."""
+        if self.collectives is not None and func.namespace == "c10d":
+            self.collectives.after(func, host_args)
+
+    @staticmethod
+    def _seeded(func) -> bool:
+        """Random integer ops (token sampling) get host samples: any values are a valid draw."""
+        return func in (aten.randint.default, aten.randint.low, aten.randperm.default)
+
+    def _bound(self, func, args, kwargs, out) -> tuple[int, int] | None:
+        """The value bounds `func` gives `out` from its inputs' (module docstring), or None."""
+        if out.dtype == torch.bool:
+            return (0, 1)
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if source is None:
+            return None
+        bound = (0, 1) if source.dtype == torch.bool else self.bounds.get(source)
+        if bound is None:
+            return None
+        packet = func.overloadpacket
+        if packet in (aten._to_copy, aten.max, aten.amax, aten.min, aten.amin, aten.clone, aten.view, aten.reshape):
+            return bound
+        if packet is aten.sum:
+            count = max(source.numel() // max(out.numel(), 1), 1)
+            return (min(bound[0] * count, bound[0]), bound[1] * count)
+        return None
+
+    def _read(self, tensor):
+        """`.item()` of a device tensor: its shadow's value; else its upper bound, or for a boolean True (counted)."""
+        shadow = self.shadows.get(tensor)
+        if shadow is not None:
+            return shadow.item()
+        if tensor in self.bounds and tensor.dtype != torch.bool:
+            self.answered_reads["upper bound"] += 1
+            return self.bounds[tensor][1]
+        if tensor.dtype == torch.bool:
+            self.answered_reads["bool"] += 1
+            return True
+        raise SimulationError(
+            f"The update read the value of a {tuple(tensor.shape)} {tensor.dtype} device tensor that no host value "
+            "determines: a simulation runs without values."
+        )
+
+    def _from_shadows(self, func, args, kwargs):
+        """An op whose output shape depends on values: boolean indices become the index tensors of their shadows'
+        true entries; `nonzero` and `masked_select` take their shapes from the shadows."""
+        if func is aten.index.Tensor:
+            source, indices = args[0], []
+            for index in args[1]:
+                if index is not None and index.dtype == torch.bool:
+                    indices.extend(self._true_entries(index).unbind(1))
+                else:
+                    indices.append(index)
+            return aten.index.Tensor(source, indices)
+        if func in (aten.nonzero.default, aten.argwhere.default):
+            entries = self._true_entries(args[0])
+            out = super().__torch_dispatch__(aten._to_copy.default, (), (entries,), {"device": args[0].device})
+            self.shadows[out] = entries
+            return out
+        if func is aten.masked_select.default:
+            return aten.index.Tensor(args[0], list(self._true_entries(args[1]).unbind(1)))
+        raise SimulationError(f"{func}: its output's shape depends on device values the simulation does not know.")
+
+    def _true_entries(self, mask) -> torch.Tensor:
+        shadow = self._host_values(mask)
+        if shadow is None:
+            raise SimulationError(
+                f"A {tuple(mask.shape)} boolean device mask decides a shape, and no host value determines it."
+            )
+        with unset_fake_temporarily():
+            return shadow.nonzero()
+
+
+def _numel(size) -> int:
+    count = 1
+    for dim in size:
+        count *= int(dim)
+    return count
