@@ -80,6 +80,17 @@ def written_rollout(prompts, trainer):
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
 
 
+# Variants of the embedded families (FAMILY on the command line): "qwen3_one_row", dense Qwen3 with an MLP of one
+# intermediate row, so that each `gate_proj` and `up_proj` has one row and rank 1's shard of it is empty (as a
+# per-head `A_log` of 48 heads leaves 16 of 64 ranks).
+VARIANTS = {"qwen3_one_row": ("qwen3", {"intermediate_size": 1})}
+
+
+def family_model(family: str):
+    base, overrides = VARIANTS.get(family, (family, {}))
+    return build_model(base, seed=0, **overrides)
+
+
 def local_bytes(tensors) -> int:
     return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors)
 
@@ -167,7 +178,7 @@ def saved_model(family: str, out: str) -> str:
     world = dist.get_world_size() if dist.is_initialized() else 1
     directory = os.path.join(out, f"{family}-base-world{world}")
     if not dist.is_initialized() or dist.get_rank() == 0:
-        build_model(family, seed=0).save_pretrained(directory)
+        family_model(family).save_pretrained(directory)
     if dist.is_initialized():
         dist.barrier()
     return directory
@@ -180,7 +191,7 @@ def train(out: str, family: str, route: str, prompt_gradient: str, rollout: bool
     elif route.startswith("loaded"):  # by its directory: the trainer loads it, on several ranks its shards only
         model = saved_model(family, out)
     else:
-        model = build_model(family, seed=0)
+        model = family_model(family)
     if world > 1 and route in ("fully_shard", "hybrid_shard"):
         # "hybrid_shard": 4 ranks, FSDP2 inside each context-parallel group of 2 (the mesh's rows), replicated across
         # the groups (its columns)
@@ -272,6 +283,12 @@ def train(out: str, family: str, route: str, prompt_gradient: str, rollout: bool
         "optimizer_steps": trainer.state.global_step,
         "collectives": {name: COLLECTIVES[name] - counted_before[name] for name in COLLECTIVES},
         "sharded_modules": sharded_modules_that_train(trainer.model),
+        # parameters of which this rank holds no rows (fewer rows than ranks)
+        "empty_shards": [
+            name
+            for name, p in trainer.model.named_parameters()
+            if isinstance(p, DTensor) and p.to_local().numel() == 0
+        ],
     }
     if ragged:  # after the bytes are counted: FSDP2 keeps the root module gathered after its forward
         evaluated = trainer.evaluate(Dataset.from_dict({"prompt": ["k", *PROMPTS[:3]]}))

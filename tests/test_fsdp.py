@@ -5,6 +5,7 @@ reduce-scatter per sharded module per optimizer step, and the same greedy rollou
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -97,6 +98,11 @@ def assert_takes_the_single_process_steps(single: dict, sharded: dict, shards: i
         ("qwen3", "qlora", "torchrun"),  # the same on NF4 weights (bitsandbytes), packed 4-bit weights sharded
         ("qwen3_5", "fully_shard", "torchrun"),  # GatedDeltaNet hybrid, sharded before the trainer gets it
         ("qwen3_moe", "shard_weights", "torchrun"),  # MoE
+        # parameters of fewer rows than ranks leave rank 1 an empty shard: dense Qwen3 with one-row MLP projections
+        # (fsdp_worker.VARIANTS), and Qwen3-Next (GatedDeltaNet + gated attention + MoE), whose `shared_expert_gate`
+        # has one row
+        ("qwen3_one_row", "shard_weights", "torchrun"),
+        ("qwen3_next", "shard_weights", "torchrun"),
         ("glm_moe_dsa", "fully_shard", "torchrun"),  # MLA + DSA + MoE
         # passed by its directory: the trainer loads it sharded (each rank reads its rows: transformers' load-time
         # FSDP2 plan, whose final norm and LM head stay gathered from forward to backward); GLM-5 with LoRA added after
@@ -116,6 +122,8 @@ def test_two_fsdp2_ranks_take_the_single_process_steps(tmp_path, family, route, 
         assert sum(report["stand_ins"] for report in ranks) > 0
         assert all(report["loaded_sharded"] == route.startswith("loaded") for report in ranks)
         assert all((report["adapter_units"] > 0) == (route == "loaded_lora") for report in ranks)
+        if family in ("qwen3_one_row", "qwen3_next"):  # it trained with empty shards on rank 1
+            assert ranks[1]["empty_shards"] and not ranks[0]["empty_shards"], ranks[1]["empty_shards"]
     assert sorted(sharded["rollout"]["completions"]) == sorted(single["rollout"]["completions"])
 
 
@@ -278,6 +286,34 @@ def check_one_rank_engine_against_the_unsharded_model(device: str) -> None:
 
 def test_one_rank_sharded_engine_gives_the_unsharded_gradients(one_rank_group):
     check_one_rank_engine_against_the_unsharded_model("cpu")
+
+
+def test_a_rank_holding_no_rows_of_a_parameter_checks_its_other_gradients(one_rank_group, tmp_path):
+    """FSDP2 over more ranks than a parameter has rows leaves some rank an empty shard of it (rank 1 of the 2-rank
+    runs above; the per-head `A_log` over 64 ranks). The gradient check skips that empty shard (the infinity norm has
+    no value on it) and still names the first non-finite gradient after it; with none, it says nothing."""
+    from torch.distributed.tensor import Shard
+
+    from trl_longstraw.faults import NonFiniteWarning
+
+    trainer = make_trainer(sharded_qwen3(), tmp_path)
+    trainer.model.reshard()  # as at an optimizer step (the root stays gathered after the trainer's pre-flight pass)
+    mesh = trainer.model.model.norm.weight.device_mesh
+
+    def no_rows() -> DTensor:  # this rank's view of a [1, 64] tensor sharded over more ranks than it has rows
+        return DTensor.from_local(torch.empty(0, 64), mesh, [Shard(0)], run_check=False, shape=(1, 64), stride=(64, 1))
+
+    gate = trainer.model.model.layers[0].mlp  # before the final norm in the named parameters
+    gate.register_parameter("one_row", torch.nn.Parameter(no_rows()))
+    gate.one_row.grad = no_rows()
+    norm = trainer.model.model.norm.weight
+    norm.grad = torch.zeros_like(norm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NonFiniteWarning)
+        trainer._check_gradients()
+    norm.grad = torch.full_like(norm, float("nan"))
+    with pytest.warns(NonFiniteWarning, match=r"the gradients \(.*the gradient of model.norm.weight\)"):
+        trainer._check_gradients()
 
 
 def nf4_qwen3(tmp_path):

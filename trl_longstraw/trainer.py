@@ -472,11 +472,19 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
     def _check_gradients(self) -> None:
         """Warn naming the first parameter whose gradient holds NaN or inf (one synchronisation per optimizer step,
-        once the window's gradients are reduced)."""
-        named = [  # FSDP2: each rank checks its own shards
-            (name, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+        once the window's gradients are reduced).
+
+        FSDP2: each rank checks its own shards, with no collective. A parameter of fewer rows than ranks (a per-head
+        `A_log` over more ranks than heads, a LoRA `lora_A` of rank r over more than r ranks, Qwen3-Next's one-row
+        `shared_expert_gate`) leaves some ranks an empty shard: nothing to check there (and the infinity norm has no
+        value on an empty tensor), so it is left out.
+        """
+        named = [
+            (name, grad)
             for name, p in self.model.named_parameters()
             if p.grad is not None
+            for grad in (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad,)
+            if grad.numel() > 0
         ]
         if not named:
             return

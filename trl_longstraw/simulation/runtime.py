@@ -6,9 +6,10 @@ implementations of custom ops: bitsandbytes' 4-bit ops, the stand-ins of `stand_
 cannot give, the update needs:
 
 - **Host values.** LongStraw keeps positions, lengths and chunk bounds on the host and reads them to choose kernels
-  (`attention.py`); those must stay real. [`SimulatedDevice`] runs an op for real when it touches no fake tensor and
-  makes nothing large on the host (`HOST_REAL_BYTES`); host memory the update holds (pinned prompt-state pages) is
-  fake like the device's.
+  (`attention.py`); those must stay real. [`SimulatedDevice`] runs an op for real when it touches no fake tensor,
+  unless it makes room for data: a floating-point, pinned or large (`HOST_REAL_BYTES`) host tensor is fake like the
+  device's (prompt-state pages in host memory, the buffers a collective fills), while integers, which decide what
+  runs, stay real.
 - **Small integer values on the device.** Token ids, completion lengths and masks decide shapes (TRL's fused LM head
   scores the label mask's positions only) and control flow. Every integer or boolean tensor of at most
   `SHADOW_ELEMENTS` elements computed from known values carries a *shadow*: the same op run on the host on real
@@ -149,11 +150,11 @@ class SimulatedDevice(FakeTensorMode):
         if any(tensor.device.type != "cpu" for tensor in flat):
             return False
         if func in _FACTORIES:
-            if kwargs.get("pin_memory"):
+            dtype = kwargs.get("dtype") or (flat[0].dtype if flat else torch.get_default_dtype())
+            if kwargs.get("pin_memory") or dtype.is_floating_point:  # room for data (pages, buffers): fake
                 return False
             size = next((value for value in args if isinstance(value, (list, tuple, torch.Size))), None)
             numel = _numel(size) if size is not None else (flat[0].numel() if flat else 1)
-            dtype = kwargs.get("dtype") or (flat[0].dtype if flat else torch.get_default_dtype())
             return numel * dtype.itemsize <= HOST_REAL_BYTES
         return True
 

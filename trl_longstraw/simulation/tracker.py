@@ -231,8 +231,9 @@ class UpdateTracker(TorchDispatchMode):
         allocation = Allocation(
             size, op, self.phase_name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
         )
-        if self.largest is None or size > self.largest.bytes:
-            self.largest = allocation
+        record = self._record()
+        if record.largest is None or size > record.largest.bytes:
+            record.largest = allocation
         if self.oversize is not None and self.oversize(tuple(tensor.shape)):
             self.oversized.append(allocation)
 

@@ -230,7 +230,7 @@ def run(spec: SimulationSpec) -> dict:
     from ..accounting import UpdateSetup
     from .runtime import SimulatedDevice
     from .stand_ins import install_model_stand_ins, install_trl_head_stand_ins
-    from .world import simulated_world
+    from .world import World, simulated_world
 
     started = time.monotonic()
     setup = UpdateSetup(**{**spec.setup, "lora_targets": _targets(spec.setup["lora_targets"])})
@@ -244,9 +244,11 @@ def run(spec: SimulationSpec) -> dict:
     progress = Progress(spec.progress)
     stand_ins: list[str] = []
     with contextlib.ExitStack() as stack:
-        world = stack.enter_context(simulated_world(spec, devices) if spec.fake else contextlib.nullcontext())
         if spec.fake:
+            world = stack.enter_context(simulated_world(spec, devices))
             mode.collectives = world.collectives
+        else:  # real tensors: the launch's own process group (gloo), if any
+            world = World(spec.rank, spec.world_size)
         stack.enter_context(mode)
         stack.enter_context(tracker)
         with tracker.phase("weights"):
@@ -273,7 +275,7 @@ def run(spec: SimulationSpec) -> dict:
         "stand_ins": stand_ins,
         "answered_reads": reads,
         "sampled_iterations": update.sampled,
-        "world": world.describe() if world is not None else None,
+        "world": world.describe(),
         "ops": tracker.ops,
         "wall_s": time.monotonic() - started,
     }

@@ -12,13 +12,16 @@ moves nothing), so every collective of the update still runs and its buffers are
 more; host values that cross ranks (a CP group's chunk lengths, a hand-off's header, FSDP2's pass agreement) take the
 values *symmetric peers* would send, every rank running the same work as this one (`MirroredCollectives`): an
 all-gather hands back this rank's contribution from every rank, a sum is this rank's value times the group size, a
-minimum or maximum is this rank's value, and a receive gets what this rank last sent with the same tag. The busiest
+minimum or maximum is this rank's value, and the k-th receive of integers with a tag gets what this rank sent k-th with
+that tag (a rank receives from its predecessor the sequence it sends its successor; floating-point values that no host
+decision reads, a received recurrent state, need nothing). The busiest
 rank is the one to simulate (`busiest_rank`); a receive before any matching send (a later rank's first recurrent
 hand-off under context parallelism) cannot be mirrored and raises, naming the rank to simulate instead.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -111,7 +114,7 @@ class MirroredCollectives:
     docstring). `after(func, args)` runs after the (empty) collective `func` on host tensors."""
 
     def __init__(self):
-        self.sent: dict[int, torch.Tensor] = {}  # tag -> what this rank last sent with it
+        self.sent: dict[int, collections.deque] = {}  # tag -> the host values this rank sent with it, oldest first
         self.counts: dict[str, int] = {}
 
     def after(self, func, args) -> None:
@@ -131,10 +134,14 @@ class MirroredCollectives:
             for output, given in zip(args[0], args[1], strict=True):
                 output.copy_(given)
         elif func is c10d.send.default:
-            self.sent[int(args[3])] = args[0][0].clone()
+            if not args[0][0].is_floating_point():  # what a receive of integers will be answered with
+                self.sent.setdefault(int(args[3]), collections.deque()).append(args[0][0].clone())
         elif func is c10d.recv_.default:
-            tag, into = int(args[3]), args[0][0]
-            sent = self.sent.get(tag)
+            into = args[0][0]
+            if into.is_floating_point():  # values no host decision reads (a received state): nothing to answer
+                return
+            queue = self.sent.get(int(args[3]))
+            sent = queue.popleft() if queue else None
             if sent is None or sent.numel() != into.numel() or sent.dtype != into.dtype:
                 raise SimulationError(
                     "This rank receives a host value before it has sent one like it, which a simulated world of "
@@ -149,7 +156,7 @@ def _group(boxed):
 
 
 def _reduce_op(boxed) -> dist.ReduceOp:
-    return dist.ReduceOp.RedOpType(int(getattr(boxed, "op", boxed)))
+    return dist.ReduceOp.RedOpType(boxed.op())  # c10d's ops take the ReduceOp boxed as a script object
 
 
 @contextlib.contextmanager
