@@ -111,17 +111,18 @@ _VISITS: list[Callable] = [every_item]
 
 
 def visits(items: Iterable[Item], key: Callable[[Item], Hashable]) -> Iterable[Item]:
-    """The items of a loop whose consecutive iterations with equal `key(item)` are the same computation on other data
-    and leave the same tensors behind (a block's key chunks merged into one running output, a DSA indexer's key blocks
-    into one running top-k): every one, unless a simulation samples such runs (`sampled_visits`)."""
+    """The items of a loop whose iterations with equal `key(item)` are the same computation on other data and leave the
+    same tensors behind (a block's key chunks merged into one running output, a DSA indexer's key blocks into one
+    running top-k, a context-parallel step's partials): every one, unless a simulation samples them
+    (`sampled_visits`)."""
     return _VISITS[-1](items, key)
 
 
 @contextlib.contextmanager
 def sampled_visits(visit: Callable[[Iterable[Item], Callable[[Item], Hashable]], Iterable[Item]]) -> Iterator[None]:
     """Run the loops of `visits` through `visit(items, key)` instead: a simulation (`trl_longstraw.simulation`) runs
-    the first iterations of each run of equal keys and accounts the rest by their cost, which a run of 256 key chunks
-    per layer and member at 2M prompt tokens needs to finish in minutes."""
+    the first iterations of each key and accounts the rest by their cost, which 256 key chunks per layer and member at
+    2M prompt tokens need for it to finish in minutes."""
     _VISITS.append(visit)
     try:
         yield
@@ -584,16 +585,18 @@ class _Picked:
         return scores.masked_fill_(~self.visible[:, None, None, span], float("-inf")), capped
 
     def forward(self, q, scaling, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(o, lse)`, each span's written in place (no list of parts concatenated: one output's memory)."""
         acc = _accumulation_dtype(q.dtype)
-        outs, lses = [], []
-        for span in self.spans:
+        out = torch.empty((*q.shape[:3], self.value_dim), dtype=acc, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=acc, device=q.device)
+        for span in visits(self.spans, key=_span_length):
             keys, values = self.gather(span, q.device, acc)
             scores, _ = self.scores(self.queries(q, span).to(acc), keys, span, scaling, softcap)
-            lse = torch.logsumexp(scores, dim=-1)
-            probs = torch.exp(scores.sub_(_finite(lse)[..., None]))
-            outs.append(torch.einsum("bvgtk,bvtke->bvgte", probs, values).flatten(1, 2))
-            lses.append(lse.flatten(1, 2))
-        return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+            span_lse = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores.sub_(_finite(span_lse)[..., None]))
+            out[:, :, span] = torch.einsum("bvgtk,bvtke->bvgte", probs, values).flatten(1, 2)
+            lse[:, :, span] = span_lse.flatten(1, 2)
+        return out, lse
 
     def backward(self, d_out, q, out, lse, d_row, scaling, softcap, need):
         """`(dq [batch, heads, tokens, d], d_keys, d_values)` from the global `out`, `lse` and `d_row`; the key and
@@ -612,7 +615,7 @@ class _Picked:
                 if merged
                 else torch.zeros(self.values.shape, dtype=acc, device=self.values.device)
             )
-        for span in self.spans:
+        for span in visits(self.spans, key=_span_length):
             keys, values = self.gather(span, q.device, acc)
             q_span, d_out_span = self.queries(q, span).to(acc), self.queries(d_out, span).to(acc)
             scores, capped = self.scores(q_span, keys, span, scaling, softcap)
@@ -643,6 +646,10 @@ class _Picked:
         rows = (heads * count + index).reshape(-1).to(grad.device)
         picked_grad = picked_grad.reshape(-1, picked_grad.shape[-1]).to(grad.device)
         grad.flatten(0, 1).index_add_(0, rows, picked_grad)  # a view: fresh zeros, or the value columns of them
+
+
+def _span_length(span: slice) -> int:
+    return span.stop - span.start
 
 
 def blocks_forward(q, q_positions, scaling, visibility, chunk_size, softcap, blocks, tensors):

@@ -105,9 +105,9 @@ class ShardLayout:
         """`indices` (captured-token indices, any shape) as `rank`'s local entry indices; -1 where another rank holds
         the token (or the index is none of the prompt's)."""
         held = self.held(rank)
-        starts = torch.tensor([start for start, _ in held], device=indices.device)
-        ends = torch.tensor([end for _, end in held], device=indices.device)
-        before = torch.tensor([0] + [end - start for start, end in held][:-1], device=indices.device).cumsum(0)
+        bounds = torch.tensor([[start, end] for start, end in held]).to(indices.device)  # built on the host, one copy
+        starts, ends = bounds[:, 0].contiguous(), bounds[:, 1].contiguous()
+        before = torch.cat([torch.zeros_like(starts[:1]), (ends - starts)[:-1]]).cumsum(0)
         which = (torch.searchsorted(starts, indices, right=True) - 1).clamp(min=0)
         inside = (indices >= starts[which]) & (indices < ends[which])
         return torch.where(inside, before[which] + indices - starts[which], torch.full_like(indices, -1))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import KeyBlock, Visibility, blocks_backward, merge_by_lse, sinks_gradient
+from ..attention import KeyBlock, Visibility, blocks_backward, merge_by_lse, sinks_gradient, visits
 from .communication import ContextParallelGroup
 from .merge import empty_partial, merge_stacked, partial_attention
 
@@ -81,6 +81,17 @@ class StepCall:
         first = self.starts[holder] if self.starts is not None else self.rows_first_index
         picked = None if selection is None else selection.long() - first
         return KeyBlock(self.positions[holder], shared=False, picked=picked)
+
+
+def _term_kind(term) -> tuple:
+    """What decides a partial's computation besides its data (`attention.visits`): its key source's kind (the pages,
+    the own chunk, another rank's), its rows, and its blocks' lengths and top-k widths."""
+    _, rows, source, blocks = term
+    blocks = blocks if isinstance(blocks, tuple) else (blocks,)
+    shapes = tuple(
+        (len(block.positions), None if block.picked is None else tuple(block.picked.shape)) for block in blocks
+    )
+    return source if isinstance(source, str) else "chunk", rows.stop - rows.start, shapes
 
 
 def _padded(tensor: torch.Tensor, dim: int, length: int) -> torch.Tensor:
@@ -130,7 +141,7 @@ class StepAttention(torch.autograd.Function):
             value_dim = own_v.shape[-1]
             acc = torch.promote_types(q.dtype, torch.float32)
             partials = [empty_partial(query, value_dim, acc) for query in queries]
-            for rank, rows, source, blocks in call.terms():
+            for rank, rows, source, blocks in visits(call.terms(), key=_term_kind):
                 tensors = _source(source, page_tensors, own_k, own_v, keys, values)
                 part = partial_attention(
                     queries[rank][:, :, rows],
@@ -173,7 +184,7 @@ class StepAttention(torch.autograd.Function):
                 [torch.zeros_like(k), torch.zeros_like(v)] for k, v in zip(keys or (), values or (), strict=True)
             ]
             d_pages = [None] * len(page_tensors)
-            for rank, rows, source, blocks in call.terms():
+            for rank, rows, source, blocks in visits(call.terms(), key=_term_kind):
                 tensors = _source(source, page_tensors, own_k, own_v, keys, values)
                 grad_out, out_rank, lse_rank = merged[rank][:, :, rows].split([value_dim, value_dim, 1], dim=-1)
                 flags = (True, *(need[5:] if source == "pages" else (True, True)))

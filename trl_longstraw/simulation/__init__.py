@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from .devices import DEVICE_SPECS, DeviceSpec, device_spec
 
 GIB = 1024**3
+PAGE_TOKENS = 64  # shares of a prompt within this many tokens of each other count as equal (`busiest_rank`)
 PROGRESS_MARK = "simulating "  # the child's progress bars begin so (`update.Progress`)
 
 # The child process: the stand-in CUDA runtime is loaded before torch is imported (it registers torch's CUDA hooks,
@@ -145,7 +146,6 @@ def simulate(
     decode_steps: int = 0,
     progress: bool = False,
     sample: int = 2,
-    timeout: float | None = None,
 ) -> SimulationReport:
     """Simulate one update of `config` (a `PretrainedConfig`) under `setup` (an `UpdateSetup`: the run's settings,
     the prompt gradient, beta and num_iterations included) on one rank: `context_parallel` ranks per prompt, the
@@ -153,7 +153,6 @@ def simulate(
     `rank` (default `busiest_rank`). `device`: the roofline's device (`DEVICE_SPECS`). `decode_steps`: rollout steps
     to simulate before the update. `progress`: a bar per phase on stderr. `sample`: iterations run of each run of
     interchangeable ones (0: every one; slower). Raises `SimulationFailed` with the process's output's end."""
-    from .runtime import fake_cuda_library
     from .update import SimulationSpec
 
     spec_device = device if isinstance(device, DeviceSpec) else device_spec(device)
@@ -182,6 +181,14 @@ def simulate(
         progress=progress,
         sample=sample,
     )
+    return run_simulations([spec], progress=progress)[0]
+
+
+def run_simulations(specs: list, progress: bool = False) -> list[SimulationReport]:
+    """Run `specs` (`update.SimulationSpec`s) one after another in one simulation process (its imports paid once):
+    their reports. Raises `SimulationFailed` with the end of the process's output."""
+    from .runtime import fake_cuda_library
+
     library = fake_cuda_library()
     environment = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"}
     child = subprocess.Popen(
@@ -195,20 +202,16 @@ def simulate(
     errors: list[str] = []
     reader = threading.Thread(target=_read_errors, args=(child.stderr, errors, progress), daemon=True)
     reader.start()
-    child.stdin.write(spec.to_json())
+    child.stdin.write(json.dumps([dataclasses.asdict(spec) for spec in specs]))
     child.stdin.close()
-    try:
-        out = child.stdout.read()
-        child.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        raise
+    out = child.stdout.read()
+    child.wait()
     reader.join()
     if progress:
         sys.stderr.write("\n")
     if child.returncode != 0 or not out.strip():
         raise SimulationFailed(f"The simulation failed (exit status {child.returncode}):\n{''.join(errors)[-4000:]}")
-    return SimulationReport(**json.loads(out.strip().splitlines()[-1]))
+    return [SimulationReport(**report) for report in json.loads(out.strip().splitlines()[-1])]
 
 
 def _read_errors(stream, errors: list[str], progress: bool) -> None:
@@ -223,16 +226,20 @@ def _read_errors(stream, errors: list[str], progress: bool) -> None:
 
 
 def busiest_rank(setup, context_parallel: int) -> int:
-    """The rank with the most to do: under context parallelism the one holding the most prompt tokens, among those the
-    one replaying the most members (members go round-robin from rank 0), the lowest of equals; rank 0 otherwise (data
-    parallel ranks run the same update, and FSDP2 pads every rank's shards to one size)."""
+    """The rank with the most to do: under context parallelism the one replaying the most members (they go
+    round-robin from rank 0), then holding the most prompt tokens to within a page of 64 (the layout splits a prompt
+    evenly: shares differ by a token or two), the lowest of equals; rank 0 otherwise (data-parallel ranks run the same
+    update, and FSDP2 pads every rank's shards to one size). Rank 0 is also the rank whose recurrent hand-offs a
+    simulated world can always answer (world.py)."""
     if context_parallel == 1:
         return 0
     from ..context_parallel import ShardLayout
 
     layout = ShardLayout.of(setup.prompt_tokens - 1, context_parallel, setup.prefill_chunk_size)
     members = [len(range(rank, setup.group_size, context_parallel)) for rank in range(context_parallel)]
-    return max(range(context_parallel), key=lambda rank: (layout.held_tokens(rank), members[rank], -rank))
+    most = [rank for rank in range(context_parallel) if members[rank] == max(members)]
+    fullest = max(layout.held_tokens(rank) for rank in most)
+    return min(rank for rank in most if layout.held_tokens(rank) >= fullest - PAGE_TOKENS)
 
 
-__all__ = ["DEVICE_SPECS", "SimulationFailed", "SimulationReport", "busiest_rank", "simulate"]
+__all__ = ["DEVICE_SPECS", "SimulationFailed", "SimulationReport", "busiest_rank", "run_simulations", "simulate"]

@@ -53,6 +53,12 @@ aten = torch.ops.aten
 
 HOST_REAL_BYTES = 64 * 2**20  # a host allocation larger than this is fake (pinned prompt-state pages, staging)
 SHADOW_ELEMENTS = 2**23  # integer/bool device tensors up to this size carry their host values (8M: a 2M prompt's ids)
+# Ops whose (last) integer output indexes a dimension of their input, and ops that pass their input's values on.
+_INDEXING = frozenset({aten.topk, aten.sort, aten.argsort, aten.argmax, aten.argmin})
+_PASSING = frozenset({aten._to_copy, aten.clone, aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.slice,
+                      aten.select, aten.gather, aten.index, aten.squeeze, aten.unsqueeze, aten.permute, aten.transpose,
+                      aten.t, aten.contiguous, aten.flatten, aten.max, aten.amax, aten.min, aten.amin, aten.clamp,
+                      aten.alias, aten.index_select, aten.repeat, aten.narrow})  # fmt: skip
 _INTEGRAL = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _FACTORIES = {aten.empty.memory_format, aten.empty_strided.default, aten.zeros.default, aten.ones.default,
               aten.full.default, aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default,
@@ -135,10 +141,7 @@ class SimulatedDevice(FakeTensorMode):
         except (DynamicOutputShapeException, DataDependentOutputException):
             return self._from_shadows(func, args, kwargs)
         self._shadow(func, args, kwargs, out)
-        if _is_fake(out) and out not in self.shadows and out.dtype in _INTEGRAL:
-            bound = self._bound(func, args, kwargs, out)
-            if bound is not None:
-                self.bounds[out] = bound
+        self._bound(func, args, kwargs, out)
         return out
 
     @staticmethod
@@ -198,23 +201,46 @@ class SimulatedDevice(FakeTensorMode):
         """Random integer ops (token sampling) get host samples: any values are a valid draw."""
         return func in (aten.randint.default, aten.randint.low, aten.randperm.default)
 
-    def _bound(self, func, args, kwargs, out) -> tuple[int, int] | None:
-        """The value bounds `func` gives `out` from its inputs' (module docstring), or None."""
-        if out.dtype == torch.bool:
+    def _value_bound(self, value) -> tuple[int, int] | None:
+        """What is known of an integer tensor's values: its shadow's or its bounds' extremes (None: nothing)."""
+        if not isinstance(value, torch.Tensor):
+            return (int(value), int(value)) if isinstance(value, (bool, int)) else None
+        if value.dtype == torch.bool:
             return (0, 1)
-        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if source is None:
-            return None
-        bound = (0, 1) if source.dtype == torch.bool else self.bounds.get(source)
-        if bound is None:
-            return None
-        packet = func.overloadpacket
-        if packet in (aten._to_copy, aten.max, aten.amax, aten.min, aten.amin, aten.clone, aten.view, aten.reshape):
-            return bound
-        if packet is aten.sum:
-            count = max(source.numel() // max(out.numel(), 1), 1)
-            return (min(bound[0] * count, bound[0]), bound[1] * count)
-        return None
+        known = self._host_values(value)
+        if known is not None and known.numel():
+            with unset_fake_temporarily():
+                return int(known.min()), int(known.max())
+        return self.bounds.get(value)
+
+    def _bound(self, func, args, kwargs, out) -> None:
+        """Bounds `func` gives its integer outputs without shadows, from its inputs' (module docstring): indices into a
+        dimension (top-k, sort, arg-extremes), the values of what they select or pass on, a count of flags."""
+        outputs = [tensor for tensor in tensors_of(out) if _is_fake(tensor) and tensor not in self.shadows]
+        outputs = [tensor for tensor in outputs if tensor.dtype in _INTEGRAL]
+        if not outputs:
+            return
+        packet, source = func.overloadpacket, args[0] if args else None
+        if packet in _INDEXING:  # (values, indices) or indices: positions along `dim`
+            dim = kwargs.get("dim", args[2] if packet is aten.topk and len(args) > 2 else -1)
+            dim = args[1] if packet in (aten.sort, aten.argsort, aten.argmax, aten.argmin) and len(args) > 1 else dim
+            size = source.shape[dim] if source.dim() else 1
+            self.bounds[outputs[-1]] = (0, max(size - 1, 0))
+            return
+        if packet is aten.where and len(args) == 3:
+            parts = [self._value_bound(args[1]), self._value_bound(args[2])]
+        elif packet is aten.cat:
+            parts = [self._value_bound(tensor) for tensor in args[0]]
+        elif packet is aten.sum:
+            bound = self._value_bound(source)
+            count = max(source.numel() // max(outputs[0].numel(), 1), 1)
+            parts = None if bound is None else [(min(bound[0] * count, bound[0]), bound[1] * count)]
+        elif packet in _PASSING:
+            parts = [self._value_bound(source)]
+        else:
+            parts = [(0, 1)] if outputs[0].dtype == torch.bool else None
+        if parts and all(part is not None for part in parts):
+            self.bounds[outputs[0]] = (min(part[0] for part in parts), max(part[1] for part in parts))
 
     def _read(self, tensor):
         """`.item()` of a device tensor: its shadow's value; else its upper bound, or for a boolean True (counted)."""
@@ -250,7 +276,29 @@ class SimulatedDevice(FakeTensorMode):
             return out
         if func is aten.masked_select.default:
             return aten.index.Tensor(args[0], list(self._true_entries(args[1]).unbind(1)))
+        if func is aten._unique2.default and (bound := self._value_bound(args[0])) is not None:
+            return self._distinct(args[0], bound, *args[1:], **kwargs)
         raise SimulationError(f"{func}: its output's shape depends on device values the simulation does not know.")
+
+    def _distinct(self, source, bound, sorted=True, return_inverse=False, return_counts=False):
+        """`unique` of values known to lie within `bound`: as many distinct values as there can be (each position's
+        own, at most the bound's range), what memory must be provisioned for; counted as a read answered so."""
+        self.answered_reads["upper bound"] += 1
+        count = min(source.numel(), bound[1] - bound[0] + 1)
+        empty = aten.empty.memory_format
+        values = super().__torch_dispatch__(empty, (), ((count,),), {"dtype": source.dtype, "device": source.device})
+        self.bounds[values] = bound
+        inverse = super().__torch_dispatch__(
+            empty,
+            (),
+            ((tuple(source.shape) if return_inverse else (0,)),),
+            {"dtype": torch.long, "device": source.device},
+        )
+        self.bounds[inverse] = (0, max(count - 1, 0))
+        counts = super().__torch_dispatch__(
+            empty, (), (((count,) if return_counts else (0,)),), {"dtype": torch.long, "device": source.device}
+        )
+        return values, inverse, counts
 
     def _true_entries(self, mask) -> torch.Tensor:
         shadow = self._host_values(mask)

@@ -22,7 +22,6 @@ state exists before the update, as a previous step left it (one warm-up step of 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import sys
 import time
@@ -71,13 +70,6 @@ class SimulationSpec:
     seed: int = 0
     progress: bool = False
     sample: int = 2  # iterations run of each run of interchangeable ones (`attention.visits`); 0: every one
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> SimulationSpec:
-        return cls(**json.loads(text))
 
 
 @dataclass
@@ -332,8 +324,8 @@ class GroupUpdate:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def sampling(self):
-        """Runs of interchangeable loop iterations (`attention.visits`) sampled: the first `spec.sample` of each run
-        run, the rest accounted by the last one's cost."""
+        """Interchangeable loop iterations (`attention.visits`) sampled: the first `spec.sample` of each key run, the
+        rest accounted by the last run one's cost."""
         from ..attention import sampled_visits
 
         if not self.spec.sample:
@@ -341,18 +333,18 @@ class GroupUpdate:
         return sampled_visits(self._visit)
 
     def _visit(self, items, key):
-        run_key, run_length, cost = object(), 0, None
+        seen: Counter = Counter()
+        costs = {}
         for item in items:
             item_key = key(item)
-            run_length = run_length + 1 if item_key == run_key else 1
-            run_key = item_key
-            if run_length > self.spec.sample and cost is not None:
-                self.tracker.repeat(cost)
+            seen[item_key] += 1
+            if seen[item_key] > self.spec.sample and item_key in costs:
+                self.tracker.repeat(costs[item_key])
                 self.sampled += 1
                 continue
             before = self.tracker.totals()
             yield item
-            cost = self.tracker.totals() - before
+            costs[item_key] = self.tracker.totals() - before
 
     def warm_optimizer(self) -> None:
         """AdamW's state as a previous step left it: one step of zero gradients, which are then dropped."""
@@ -443,7 +435,8 @@ class GroupUpdate:
 
 
 def main() -> None:
-    """The child process's entry: a `SimulationSpec` as JSON on stdin, the report as JSON on stdout's last line."""
-    spec = SimulationSpec.from_json(sys.stdin.read())
-    report = run(spec)
-    print(json.dumps(report))
+    """The child process's entry: a JSON list of `SimulationSpec`s on stdin, run one after another; their reports as
+    one JSON list on stdout's last line."""
+    specs = [SimulationSpec(**values) for values in json.loads(sys.stdin.read())]
+    reports = [run(spec) for spec in specs]
+    print(json.dumps(reports))

@@ -214,7 +214,7 @@ class IndexerKeys(LayerState):
             end = min(start + keys_per_call, limit)
             keys = self.prompt.placement.stage(self.keys.read(end)[:, start:end], hidden.device)
             key_index = self.prompt.global_indices(start, end).to(hidden.device)
-            for i, (a, b) in enumerate(row_blocks):
+            for i, (a, b) in visits(enumerate(row_blocks), key=lambda item: item[1][1] - item[1][0]):
                 candidates = block_candidates(self.mixer, _rows_of(call, a, b), keys, key_index, k)
                 bests[i] = merge_candidates(bests[i], candidates, k)
         return torch.cat([b[0] for b in bests], dim=1), torch.cat([b[1] for b in bests], dim=1)

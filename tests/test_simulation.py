@@ -1,0 +1,200 @@
+"""The simulation: one update on fake tensors, checked against the same update on real tensors under the same tracker.
+
+At tiny sizes on the CPU the real update runs (real weights, real gloo ranks) and the simulation runs it on fake CPU
+tensors: every phase's peak must agree within 5% (docs/simulation.md#validation), for a dense model, a GatedDeltaNet
+hybrid and an MLA + DSA + MoE model, in both gradient modes, in one process and on 2 ranks (context parallelism, and
+the weights sharded by FSDP2). The fake run samples runs of interchangeable iterations (`attention.visits`) where the
+real one runs every one, so the check covers the sampling too. Then the simulation on fake CUDA tensors, in its own
+process, as `trl-longstraw plan --simulate` runs it.
+"""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trl_longstraw.accounting import UpdateSetup
+from trl_longstraw.embedded import tiny_config
+from trl_longstraw.simulation import busiest_rank, run_simulations
+from trl_longstraw.simulation.update import SimulationSpec, run
+
+FAMILIES = {"dense": "qwen3", "hybrid": "qwen3_5", "mla_dsa_moe": "glm_moe_dsa"}
+MODES = ("detach", "exact")
+TOLERANCE = 0.05  # the issue's bound; measured: equal to the byte, the weights' build aside (docs/simulation.md)
+SETUP_PHASES = ("weights", "optimizer_state")
+
+
+def validation_spec(family: str, mode: str, fake: bool, context_parallel=1, weight_shards=1, rank=0, sample=2):
+    """Tiny sizes: 4 capture chunks, prompt pages in 8 attention chunks (so runs of interchangeable ones exist), 2
+    members, LoRA on every linear map. The MLA + DSA + MoE model: 2 capture chunks (each of its layers reads the prompt
+    through a top-k, per query, not in chunks, and costs the simulation the most ops), and bf16: the grouped GEMM takes
+    no fp32 on a GPU, and its shape function says so."""
+    setup = UpdateSetup(
+        prompt_tokens=65 if family == "mla_dsa_moe" else 129,
+        completion_tokens=6,
+        group_size=2,
+        lora_rank=4,
+        lora_targets="all-linear",
+        prefill_chunk_size=32,
+        attention_chunk_size=16,
+        activation_checkpointing=False,
+        dtype_bytes=2 if family == "mla_dsa_moe" else 4,
+        prompt_gradient=mode,
+    )
+    return SimulationSpec(
+        config=tiny_config(FAMILIES[family]).to_dict(),
+        setup=dataclasses.asdict(setup),
+        prompt_gradient=mode,
+        context_parallel=context_parallel,
+        weight_shards=weight_shards,
+        world_size=max(context_parallel, weight_shards),
+        rank=rank,
+        device="cpu",
+        fake=fake,
+        sample=sample if fake else 0,
+    )
+
+
+def assert_same_phase_peaks(fake: dict, real: dict, label) -> None:
+    assert list(fake["phases"]) == list(real["phases"]), label
+    for name, phase in real["phases"].items():
+        if name in SETUP_PHASES:  # the build's transients differ (random initialisation); what it holds does not
+            assert fake["phases"][name]["held_gib"] == pytest.approx(phase["held_gib"], rel=TOLERANCE), (label, name)
+            continue
+        assert fake["phases"][name]["peak_gib"] == pytest.approx(phase["peak_gib"], rel=TOLERANCE), (label, name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_simulated_phase_peaks_equal_the_real_tracked_peaks(family, mode):
+    real = run(validation_spec(family, mode, fake=False))
+    fake = run(validation_spec(family, mode, fake=True))
+    assert_same_phase_peaks(fake, real, (family, mode))
+    if family != "mla_dsa_moe":  # (its layers read the prompt through a top-k: no chunk runs)
+        assert fake["sampled_iterations"] > 0  # the sampling was exercised, and changed no peak
+
+
+def test_sampled_iterations_account_the_work_they_stand_for():
+    """The loops' runs of interchangeable iterations, run by their first two and accounted by the second's cost, add
+    the FLOPs, roofline time and collective bytes of running every one."""
+    sampled = run(validation_spec("dense", "exact", fake=True, context_parallel=2))
+    every = run(validation_spec("dense", "exact", fake=True, context_parallel=2, sample=0))
+    assert sampled["sampled_iterations"] > 0 and every["sampled_iterations"] == 0
+    for name, phase in every["phases"].items():
+        for key in ("peak_gib", "flops", "roofline_s", "communication_gib"):
+            assert sampled["phases"][name][key] == pytest.approx(phase[key], rel=1e-9, abs=1e-12), (name, key)
+
+
+# -- two ranks ---------------------------------------------------------------------------------------------------------
+LAYOUTS = {"context_parallel": {"context_parallel": 2}, "fsdp2": {"weight_shards": 2}}
+RANK_CASES = [(family, mode, layout) for family in sorted(FAMILIES) for mode in MODES for layout in sorted(LAYOUTS)]
+
+
+def _real_rank(rank: int, world: int, init: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        reports = {}
+        for family, mode, layout in RANK_CASES:
+            spec = validation_spec(family, mode, fake=False, rank=rank, **LAYOUTS[layout])
+            reports["/".join((family, mode, layout))] = run(spec)
+            dist.barrier()
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
+            json.dump(reports, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def real_ranks(tmp_path_factory):
+    """Every 2-rank case's real run on both gloo ranks, from one fork (its imports paid once)."""
+    out = tmp_path_factory.mktemp("simulation-ranks")
+    mp.start_processes(_real_rank, args=(2, str(out / "init"), str(out)), nprocs=2, join=True, start_method="fork")
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, mode, layout", RANK_CASES)
+def test_a_simulated_rank_holds_what_the_real_rank_holds(real_ranks, family, mode, layout):
+    """Each rank of a fake world of 2 against the same rank of 2 real gloo ranks. A hybrid's later CP rank receives a
+    recurrent hand-off before sending one, which a world of symmetric peers cannot answer: it is simulated as rank 0
+    only, which `busiest_rank` picks (and the simulation refuses rank 1, naming rank 0)."""
+    ranks = (0,) if family == "hybrid" and layout == "context_parallel" else (0, 1)
+    for rank in ranks:
+        real = real_ranks[rank]["/".join((family, mode, layout))]
+        fake = run(validation_spec(family, mode, fake=True, rank=rank, **LAYOUTS[layout]))
+        assert_same_phase_peaks(fake, real, (family, mode, layout, rank))
+        assert fake["phases"]["capture"]["communication_gib"] > 0 or layout == "fsdp2"
+
+
+def test_a_later_context_parallel_rank_of_a_hybrid_is_refused_naming_rank_zero():
+    from trl_longstraw.faults import RankFailure
+
+    with pytest.raises(RankFailure, match="--simulate-rank 0"):
+        run(validation_spec("hybrid", "detach", fake=True, rank=1, context_parallel=2))
+
+
+def test_the_busiest_rank_replays_the_most_members_and_holds_the_most_tokens():
+    setup = UpdateSetup(prompt_tokens=2_088_960, completion_tokens=2048, group_size=2, prefill_chunk_size=16384)
+    assert busiest_rank(setup, 8) == 0  # two members: ranks 0 and 1 replay one, rank 0 holds a token less
+    assert busiest_rank(dataclasses.replace(setup, group_size=8), 8) == 0
+    assert busiest_rank(setup, 1) == 0
+
+
+# -- the simulation on fake CUDA tensors, in its own process -----------------------------------------------------------
+def cuda_spec(family: str, mode: str, **layout) -> SimulationSpec:
+    setup = UpdateSetup(
+        prompt_tokens=257,
+        completion_tokens=16,
+        group_size=2,
+        quantization="nf4" if family == "hybrid" else "none",
+        lora_rank=4,
+        prefill_chunk_size=64,
+        attention_chunk_size=32,
+        prompt_gradient=mode,
+        state_dtype="float8_e4m3fn" if family == "dense" and mode == "detach" else "auto",
+    )
+    world = max(layout.get("context_parallel", 1), layout.get("weight_shards", 1))
+    return SimulationSpec(
+        config=tiny_config(FAMILIES[family]).to_dict(),
+        setup=dataclasses.asdict(setup),
+        model=family,
+        prompt_gradient=mode,
+        world_size=world,
+        decode_steps=2,
+        **layout,
+    )
+
+
+CUDA_CASES = {
+    "dense, CP 2, fp8 pages": cuda_spec("dense", "detach", context_parallel=2),
+    "hybrid, NF4 QLoRA, exact": cuda_spec("hybrid", "exact"),
+    "MLA + DSA + MoE, FSDP2 2, exact": cuda_spec("mla_dsa_moe", "exact", weight_shards=2, rank=1),
+}
+
+
+@pytest.fixture(scope="module")
+def cuda_reports():
+    return dict(zip(CUDA_CASES, run_simulations(list(CUDA_CASES.values())), strict=True))
+
+
+@pytest.mark.parametrize("case", sorted(CUDA_CASES))
+def test_the_cuda_simulation_runs_every_phase_with_the_gpu_kernels_stand_ins(cuda_reports, case):
+    report = cuda_reports[case]
+    spec = CUDA_CASES[case]
+    phases = {"weights", "optimizer_state", "capture", "rollout", "score", "replay", "gradient_sync", "optimizer"}
+    if spec.prompt_gradient == "exact":
+        phases.add("prompt_backward")
+    assert set(report.phases) == phases
+    assert "trl.kernels.chunked_logprob tile folds (Triton)" in report.stand_ins  # TRL's head as on a GPU
+    if spec.model == "hybrid":
+        assert "fla.chunk_gated_delta_rule (Triton)" in report.stand_ins
+    assert report.peak_gib >= report.weights_gib > 0
+    assert all(phase["flops"] > 0 for name, phase in report.phases.items() if name in ("capture", "score", "replay"))
+    assert report.roofline_s > 0 and not report.oversized
+    if spec.world_size > 1:
+        assert report.communication_gib > 0 and report.world["size"] == 2
