@@ -43,6 +43,9 @@ ACTIVATION_FACTOR = 2.0
 # (The recurrent kernels' own fp32 chunk matrices are their kinds' `replay_saved_bytes`.)
 # TRL's fused LM head (trl.kernels.chunked_logprob): tiles of [min(tokens, 4096), 32768] logits in the compute dtype,
 # and an fp32 gradient of the hidden states in backward.
+# The prefix attention's working set where a fused kernel takes a chunk (CUDA's memory-efficient kernel): no score
+# tile, but partial outputs [heads, tokens, head_dim] in fp32: the chunk's, the running one and their merge.
+FUSED_PARTIALS = 3
 LM_HEAD_TOKEN_TILE = 4096
 LM_HEAD_VOCAB_TILE = 32768
 
@@ -284,11 +287,17 @@ def _graph_account(
         elements = ACTIVATION_FACTOR * (_layer_linear_elements(layer, top_k) + 2 * hidden) * dtype_bytes
         recurrent = sum(kind.replay_saved_bytes(mixer) for kind, mixer in plan.kinds)
         per_layer.append(int(elements) + recurrent)
-    kinds = [(kind, mixer) for plan in plans for kind, mixer in plan.kinds]
-    heads = max((kind.attention_heads(mixer, text_config) for kind, mixer in kinds), default=0)  # the widest
-    index_heads = max((kind.index_heads(mixer) for kind, mixer in kinds), default=0)
+    kinds = [(kind, mixer, plan.layer_type) for plan in plans for kind, mixer in plan.kinds]
+    tiled = [kind.prompt_score_tiles(mixer, text_config, layer_type) for kind, mixer, layer_type in kinds]
+    heads = [kind.attention_heads(mixer, text_config) for kind, mixer, _ in kinds]
+    index_heads = max((kind.index_heads(mixer) for kind, mixer, _ in kinds), default=0)
     keys = prompt_tokens + (tokens if grad else 0)
-    tiles = 2 * heads * tokens * min(attention_chunk_size, max(keys, 1)) * FP32_BYTES
+    tile_heads = max((count for count, tiles in zip(heads, tiled, strict=True) if tiles), default=0)
+    fused_heads = max((count for count, tiles in zip(heads, tiled, strict=True) if not tiles), default=0)
+    head_width = getattr(text_config, "head_dim", None) or hidden // max(text_config.num_attention_heads, 1)
+    # a score tile and its exponent; a fused kernel's chunk output, the running output and their merge, in fp32
+    tiles = 2 * tile_heads * tokens * min(attention_chunk_size, max(keys, 1)) * FP32_BYTES
+    tiles = max(tiles, FUSED_PARTIALS * fused_heads * tokens * head_width * FP32_BYTES)
     indexer_keys = tokens + min(attention_chunk_size, max(prompt_tokens, 1))  # own keys + one block of the prompt's
     indexer = index_heads and tokens * indexer_keys * (2 * index_heads * FP32_BYTES + FP32_BYTES + 1)
     if not grad:  # no autograd: the widest transient of one layer, not what a backward would need

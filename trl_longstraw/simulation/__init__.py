@@ -110,6 +110,17 @@ class SimulationReport:
             f"  {'update':<18}{self.peak_gib:>10,.2f}{'':>11}{self.update_flops / 1e12:>11,.1f}"
             f"{self.roofline_s:>12,.2f}{self.communication_gib:>10,.2f}"
         )
+        peak_phase = max(
+            (name for name in self.phases if name not in SETUP_PHASES), key=lambda name: self.phases[name]["peak_gib"]
+        )
+        held = self.phases[peak_phase].get("at_peak", [])
+        if held:
+            lines.append(f"at the peak ({peak_phase}), the largest live allocations:")
+            for allocation in held[:8]:
+                lines.append(
+                    f"  {allocation['gib']:>8,.2f} GiB  {allocation['dtype']:<14}{tuple(allocation['shape'])!s:<30} "
+                    f"{allocation['op']} ({allocation['phase']})"
+                )
         if self.largest_allocation:
             largest = self.largest_allocation
             lines.append(

@@ -23,6 +23,7 @@ op runs and, written and read once, towards its roofline bytes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import weakref
 from collections import Counter
@@ -39,6 +40,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .devices import DeviceSpec
 
 GIB = 1024**3
+AT_PEAK = 12  # the largest live allocations a phase keeps from its peak
+SNAPSHOT_STEP = 1.01  # a phase's peak is looked into again when it has risen by 1%
 aten = torch.ops.aten
 _WORKSPACE: dict = {}  # op overload packet -> bytes of the transient workspace its kernel allocates, of its arguments
 
@@ -80,9 +83,11 @@ class PhaseRecord:
     runs: int = 0
     wall_s: float = 0.0  # the simulation's own time in the phase
     largest: Allocation | None = None  # the phase's largest single allocation
+    at_peak: list[Allocation] = field(default_factory=list)  # the largest live allocations at the phase's peak
 
     def to_dict(self) -> dict:
         return {
+            "at_peak": [allocation.to_dict() for allocation in self.at_peak],
             "peak_gib": self.peak_bytes / GIB,
             "added_gib": (self.peak_bytes - (self.start_bytes or 0)) / GIB,
             "held_gib": self.end_bytes / GIB,
@@ -142,6 +147,7 @@ class Work:
 class _Storage:
     bytes: int
     device: str
+    made: Allocation | None = None  # what made it (None: made before the tracker saw it)
 
 
 class UpdateTracker(TorchDispatchMode):
@@ -184,8 +190,15 @@ class UpdateTracker(TorchDispatchMode):
         return self.phases.setdefault(self.phase_name, PhaseRecord())
 
     def _peak(self, record: PhaseRecord, extra: int = 0) -> None:
-        record.peak_bytes = max(record.peak_bytes, self.live[self.device_type] + extra)
+        current = self.live[self.device_type] + extra
+        if current > record.peak_bytes * SNAPSHOT_STEP:  # what holds the memory, kept as the peak rises
+            record.at_peak = self._largest_live(AT_PEAK)
+        record.peak_bytes = max(record.peak_bytes, current)
         record.host_peak_bytes = max(record.host_peak_bytes, self.live["cpu"] if self.device_type != "cpu" else 0)
+
+    def _largest_live(self, count: int) -> list[Allocation]:
+        live = [entry.made for entry in self._storages.values() if entry.made is not None and entry.bytes]
+        return sorted(live, key=lambda made: -made.bytes)[:count]
 
     def largest(self, phases: Iterable[str]) -> Allocation | None:
         """The largest single allocation of the named phases."""
@@ -211,26 +224,21 @@ class UpdateTracker(TorchDispatchMode):
         return max((record.peak_bytes for record in self.phases.values()), default=self.live[self.device_type])
 
     # -- storages ------------------------------------------------------------------------------------------------------
-    def track(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Count tensors made before the tracker was entered (weights, optimizer state), in the current phase."""
-        for tensor in tensors:
-            self._add(tensor, None)
-
-    def _add(self, tensor: torch.Tensor, op: str | None) -> None:
+    def _add(self, tensor: torch.Tensor, op: str) -> None:
         storage = tensor.untyped_storage()
         if storage in self._storages:
             return
         device = tensor.device.type
         size = storage.nbytes()
-        entry = _Storage(size, device)
-        self._storages[storage] = entry
-        weakref.finalize(storage, self._release, entry)
-        self.live[device] += size
-        if op is None or device != self.device_type:
-            return
         allocation = Allocation(
             size, op, self.phase_name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")
         )
+        entry = _Storage(size, device, allocation if device == self.device_type else None)
+        self._storages[storage] = entry
+        weakref.finalize(storage, self._release, entry)
+        self.live[device] += size
+        if device != self.device_type:
+            return
         record = self._record()
         if record.largest is None or size > record.largest.bytes:
             record.largest = allocation
@@ -246,6 +254,8 @@ class UpdateTracker(TorchDispatchMode):
         if entry is not None:
             self.live[entry.device] += storage.nbytes() - entry.bytes
             entry.bytes = storage.nbytes()
+            if entry.made is not None:
+                entry.made = dataclasses.replace(entry.made, bytes=entry.bytes)
             self._peak(self._record())
 
     # -- the dispatch ---------------------------------------------------------------------------------------------------

@@ -84,6 +84,15 @@ class AttentionPages(LayerState):
     def attention_heads(cls, mixer, config):
         return getattr(mixer, "num_heads", None) or config.num_attention_heads
 
+    @classmethod
+    def prompt_score_tiles(cls, mixer, config, layer_type):
+        """A chunk the fused kernel cannot take keeps its scores: soft-capped logits, and a window's or an attention
+        chunk's edges (measured on the simulation: a full-attention layer's chunks are fused on CUDA)."""
+        windowed = layer_type in ("sliding_attention", "chunked_attention") or (
+            layer_type is None and getattr(config, "sliding_window", None) is not None
+        )
+        return windowed or getattr(config, "attn_logit_softcapping", None) is not None
+
     def __init__(self, mixer, layer_idx, layer_type, prompt):
         super().__init__(mixer, layer_idx, layer_type, prompt)
         self.chunk_size = None

@@ -87,6 +87,12 @@ class LatentPages(LayerState):
     def attention_heads(cls, mixer, config):
         return getattr(mixer, "num_heads", None) or config.num_attention_heads
 
+    @classmethod
+    def prompt_score_tiles(cls, mixer, config, layer_type):
+        """Absorbed MLA's chunks go through the fused kernel (values zero-padded to the keys' width); a DSA top-k's
+        gathered keys are bounded like a score tile (`attention._Picked`)."""
+        return getattr(config, "index_topk", None) is not None
+
     def __init__(self, mixer, layer_idx, layer_type, prompt):
         super().__init__(mixer, layer_idx, layer_type, prompt)
         self.pages = Pages(prompt.placement, prompt.num_tokens, fp8=prompt.fp8_pages)

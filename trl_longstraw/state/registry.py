@@ -137,6 +137,13 @@ class LayerState(abc.ABC):
         return 0
 
     @classmethod
+    def prompt_score_tiles(cls, mixer: nn.Module, config: PretrainedConfig, layer_type: str | None) -> bool:
+        """Whether this kind's attention over a chunk of the prompt holds a `[heads, tokens, chunk]` fp32 score tile
+        (plain-torch tiles, or gathered top-k keys of that size) rather than a fused kernel's `[heads, tokens, d]`
+        output (the accounting's working set). True by default: the larger."""
+        return True
+
+    @classmethod
     def index_heads(cls, mixer: nn.Module) -> int:
         """Heads of a DSA indexer scoring the prompt's keys (the accounting's indexer scores); 0: none."""
         return 0
