@@ -18,9 +18,15 @@
 #    128K, 256K, 512K, 1M, 2M while its 55 s budget allows (benchmarks/long_prompt_point.py: capture, score of
 #    G = 8 members, one replay of R = 512 with its backward; per-phase time and max_memory_allocated), TF32 on for
 #    the fp32 attention tiles.
+# 5. The simulation beside the measurements (<= 20 s; JSON only, no torch): benchmarks/gpu_predictions.py --compare
+#    reads what steps 2-4 wrote and prints, per LongStraw point, the measured peak allocated GiB beside the simulator's
+#    predicted GiB and the measured seconds beside its H200 roofline (benchmarks/results/gpu-predictions.json, computed
+#    without a GPU by `PYTHONPATH=. .venv/bin/python benchmarks/gpu_predictions.py`), with what each benchmark
+#    measures and where it differs from the simulated update; printed and saved as predictions.txt, so that one run
+#    validates the simulator on real hardware.
 # Everything lands in $OUT (default benchmarks/results/gpu-h200): environment, test log and JUnit XML, the sweep's
-# results.json/csv, plots and summary.md, long_prompt.json and each step's log; with ARCHIVE=path.tgz also as one
-# archive (the device tool brings back only a few files). PYTHON selects the interpreter that has CUDA torch.
+# results.json/csv, plots and summary.md, long_prompt.json, predictions.txt and each step's log; with ARCHIVE=path.tgz
+# also as one archive (the device tool brings back only a few files). PYTHON selects the interpreter that has CUDA torch.
 # The packages the lent machine's image lacks or has older (transformers, trl, peft, datasets, fla) travel as wheels:
 # `bash benchmarks/gpu_wheels.sh` here fills .whl/, the device call carries it, and this script installs them into
 # /tmp/site (beside the image's packages, nothing fetched). On the device tool:
@@ -78,5 +84,9 @@ run_for 70 "$PYTHON" benchmarks/long_prompt_point.py --preset hybrid-qwen35-gpu 
     --prompt-state-dtype float8_e4m3fn --prompt-lengths 131072,262144,524288,1048576,2097152 --group-size 8 \
     --completion-length 512 --prefill-chunk-size 8192 --attention-chunk-size 8192 --allow-tf32 --budget-s 55 \
     --out "$OUT/long_prompt.json" > "$OUT/long_prompt.log" 2>&1
-echo "long-prompt point exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/long_prompt.log"
+echo "long-prompt point exit status: $? after $((SECONDS - START)) s" | tee -a "$OUT/long_prompt.log"; archive
+
+run_for 20 "$PYTHON" benchmarks/gpu_predictions.py --compare "$OUT" > "$OUT/predictions.txt" 2>&1
+echo "predictions comparison exit status: $? after $((SECONDS - START)) s" >> "$OUT/predictions.txt"
+cat "$OUT/predictions.txt"
 exit 0  # the EXIT trap writes the archive
