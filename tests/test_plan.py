@@ -234,7 +234,7 @@ def test_a_model_and_a_recipe_together_are_refused(capsys):
 def test_each_familys_plan_against_what_a_capture_a_replay_and_an_adamw_step_allocate(family):
     """fp32, full fine-tuning, no checkpointing: weights, prompt state and the trainable values' gradients and AdamW
     state are byte counts (equal to the allocations, up to AdamW's scalar step counters); the replay's working set is
-    an estimate, at least what autograd saves for one replay and at most 5x it (measured: 1.6x to 4.1x)."""
+    an estimate, at least what autograd saves for one replay and at most 5x it (measured: 1.6x to 4.2x)."""
     model = prepared(build_model(family))
     setup = UpdateSetup(
         prompt_tokens=61,

@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .state.registry import decoder_layers
 
@@ -176,6 +177,31 @@ def collective(kind: str, group: dist.ProcessGroup | None = None, timeout: timed
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def first_non_finite_gradient(model: torch.nn.Module) -> str | None:
+    """The name of the first parameter whose gradient holds NaN or inf, or None: one fused pass over every gradient
+    and one device read.
+
+    FSDP2: each rank checks its own shards, with no collective. A parameter of fewer rows than ranks (a per-head
+    `A_log` over more ranks than heads, a LoRA `lora_A` of rank r over more than r ranks, Qwen3-Next's one-row
+    `shared_expert_gate`) leaves some ranks an empty shard: nothing to check there (and the infinity norm has no value
+    on an empty tensor), so it is left out.
+    """
+    named = [
+        (name, grad)
+        for name, param in model.named_parameters()
+        if param.grad is not None
+        for grad in (param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad,)
+        if grad.numel() > 0
+    ]
+    if not named:
+        return None
+    norms = torch._foreach_norm([grad for _, grad in named], float("inf"))  # one fused pass, NaN stays NaN
+    finite = torch.stack([norm.to(norms[0].device) for norm in norms]).isfinite().cpu()
+    if bool(finite.all()):
+        return None
+    return named[int((~finite).nonzero()[0])][0]
 
 
 class NonFiniteWarning(RuntimeWarning):

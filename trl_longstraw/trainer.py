@@ -24,7 +24,6 @@ from accelerate.utils import is_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, TrainerCallback
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context, profiling_decorator
@@ -46,7 +45,14 @@ from .context_parallel import (
 )
 from .distributed import average_gradients
 from .engine import stock_attention, weights_version
-from .faults import OutputFiniteness, collective, forget_reports, in_phase, warn_non_finite
+from .faults import (
+    OutputFiniteness,
+    collective,
+    first_non_finite_gradient,
+    forget_reports,
+    in_phase,
+    warn_non_finite,
+)
 from .fsdp import (
     ShardedPasses,
     check_sharded_layout,
@@ -471,27 +477,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         warn_non_finite(where, self.state.global_step + 1, source or first)
 
     def _check_gradients(self) -> None:
-        """Warn naming the first parameter whose gradient holds NaN or inf (one synchronisation per optimizer step,
-        once the window's gradients are reduced).
-
-        FSDP2: each rank checks its own shards, with no collective. A parameter of fewer rows than ranks (a per-head
-        `A_log` over more ranks than heads, a LoRA `lora_A` of rank r over more than r ranks, Qwen3-Next's one-row
-        `shared_expert_gate`) leaves some ranks an empty shard: nothing to check there (and the infinity norm has no
-        value on an empty tensor), so it is left out.
-        """
-        named = [
-            (name, grad)
-            for name, p in self.model.named_parameters()
-            if p.grad is not None
-            for grad in (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad,)
-            if grad.numel() > 0
-        ]
-        if not named:
-            return
-        norms = torch._foreach_norm([grad for _, grad in named], float("inf"))  # one fused pass, NaN stays NaN
-        finite = torch.stack([norm.to(norms[0].device) for norm in norms]).isfinite().cpu()
-        if not bool(finite.all()):
-            self._warn_non_finite("the gradients", f"the gradient of {named[int((~finite).nonzero()[0])][0]}")
+        """Warn naming the first parameter whose gradient holds NaN or inf (`faults.first_non_finite_gradient`: one
+        synchronisation per optimizer step, once the window's gradients are reduced)."""
+        name = first_non_finite_gradient(self.model)
+        if name is not None:
+            self._warn_non_finite("the gradients", f"the gradient of {name}")
 
     def _check_members(
         self, finite: torch.Tensor, where: str, group: PromptGroup, members: list[int] | None = None

@@ -57,8 +57,9 @@ SHADOW_ELEMENTS = 2**23  # integer/bool device tensors up to this size carry the
 _INDEXING = frozenset({aten.topk, aten.sort, aten.argsort, aten.argmax, aten.argmin})
 _PASSING = frozenset({aten._to_copy, aten.clone, aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.slice,
                       aten.select, aten.gather, aten.index, aten.squeeze, aten.unsqueeze, aten.permute, aten.transpose,
-                      aten.t, aten.contiguous, aten.flatten, aten.max, aten.amax, aten.min, aten.amin, aten.clamp,
+                      aten.t, aten.contiguous, aten.flatten, aten.max, aten.amax, aten.min, aten.amin,
                       aten.alias, aten.index_select, aten.repeat, aten.narrow})  # fmt: skip
+_ARITHMETIC = frozenset({aten.add, aten.sub, aten.rsub, aten.mul})
 _INTEGRAL = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _FACTORIES = {aten.empty.memory_format, aten.empty_strided.default, aten.zeros.default, aten.ones.default,
               aten.full.default, aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default,
@@ -229,6 +230,11 @@ class SimulatedDevice(FakeTensorMode):
             return
         if packet is aten.where and len(args) == 3:
             parts = [self._value_bound(args[1]), self._value_bound(args[2])]
+        elif packet in _ARITHMETIC and len(args) >= 2:
+            parts = [_combined(packet, self._value_bound(args[0]), self._value_bound(args[1]))]
+        elif packet is aten.clamp:
+            bound, low, high = self._value_bound(source), *(list(args[1:3]) + [None, None])[:2]
+            parts = None if bound is None else [(max(bound[0], low or bound[0]), min(bound[1], high or bound[1]))]
         elif packet is aten.cat:
             parts = [self._value_bound(tensor) for tensor in args[0]]
         elif packet is aten.sum:
@@ -308,6 +314,20 @@ class SimulatedDevice(FakeTensorMode):
             )
         with unset_fake_temporarily():
             return shadow.nonzero()
+
+
+def _combined(packet, a: tuple[int, int] | None, b: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The bounds of `a op b` from the operands' bounds (None where either is unknown)."""
+    if a is None or b is None:
+        return None
+    if packet is aten.add:
+        return a[0] + b[0], a[1] + b[1]
+    if packet is aten.sub:
+        return a[0] - b[1], a[1] - b[0]
+    if packet is aten.rsub:
+        return b[0] - a[1], b[1] - a[0]
+    products = [x * y for x in a for y in b]
+    return min(products), max(products)
 
 
 def _numel(size) -> int:

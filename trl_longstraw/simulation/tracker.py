@@ -33,6 +33,7 @@ from functools import wraps
 
 import torch
 from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
@@ -102,27 +103,33 @@ class PhaseRecord:
 
 @dataclass
 class Oversize:
-    """What the design never allocates outside one chunk: a tensor with a dimension longer than `long` tokens (twice
+    """What the design never allocates outside one chunk: a tensor with a dimension of more than `long` tokens (twice
     the largest chunk a forward runs: a capture chunk, an attention chunk, a replayed member) and another as wide as
     `wide` (the hidden size) or a second such long one. Prompt-state pages span the prompt with a head's width, and
     positions and token ids span it alone: neither is flagged; nor is a tensor shaped like a parameter (its gradient,
-    its optimizer state, FSDP2's gathered copy: a vocabulary is no token dimension), `exempt`."""
+    its optimizer state, FSDP2's gathered copy), and a parameter's dimension (a vocabulary, an MLP's width) counts as
+    no token dimension (`exempt`)."""
 
     long: int
     wide: int
     parameter_shapes: set = field(default_factory=set)
+    widths: set = field(default_factory=set)
 
     def exempt(self, model: torch.nn.Module) -> None:
-        """Parameter shapes of `model` (whole, and as FSDP2 holds them) are no activations."""
+        """Parameter shapes of `model` (whole, and this rank's shards of them under FSDP2) are no activations, and their
+        dimensions (the hidden size, an MLP's width, the vocabulary) no token counts."""
         for param in model.parameters():
-            full = tuple(param.shape)
-            self.parameter_shapes.update({full, full[::-1]})
+            local = param.to_local() if isinstance(param, DTensor) else param
+            for shape in {tuple(param.shape), tuple(local.shape)}:
+                self.parameter_shapes.update({shape, shape[::-1]})
+                self.widths.update(shape)
 
     def __call__(self, shape: tuple[int, ...]) -> bool:
         if shape in self.parameter_shapes:
             return False
-        longs = sum(1 for dim in shape if dim > self.long)
-        return longs >= 2 or (longs == 1 and any(dim >= self.wide for dim in shape if dim <= self.long))
+        longs = [dim > self.long and dim not in self.widths for dim in shape]
+        wides = [dim >= self.wide and not long for dim, long in zip(shape, longs, strict=True)]
+        return sum(longs) >= 2 or (sum(longs) == 1 and any(wides))
 
 
 @dataclass(frozen=True)
@@ -200,6 +207,11 @@ class UpdateTracker(TorchDispatchMode):
         live = [entry.made for entry in self._storages.values() if entry.made is not None and entry.bytes]
         return sorted(live, key=lambda made: -made.bytes)[:count]
 
+    def oversized_of(self, phases: Iterable[str]) -> list[Allocation]:
+        """The allocations of the named phases that `oversize` flags."""
+        named = set(phases)
+        return [made for made in self.oversized if made.phase in named and self.oversize(made.shape)]
+
     def largest(self, phases: Iterable[str]) -> Allocation | None:
         """The largest single allocation of the named phases."""
         found = [self.phases[name].largest for name in phases if name in self.phases]
@@ -242,8 +254,10 @@ class UpdateTracker(TorchDispatchMode):
         record = self._record()
         if record.largest is None or size > record.largest.bytes:
             record.largest = allocation
-        if self.oversize is not None and self.oversize(tuple(tensor.shape)):
-            self.oversized.append(allocation)
+        if self.oversize is not None and max(tensor.shape, default=0) > self.oversize.long:
+            self.oversized.append(
+                allocation
+            )  # a candidate: judged once every parameter shape is known (`oversized_of`)
 
     def _release(self, entry: _Storage) -> None:
         self.live[entry.device] -= entry.bytes

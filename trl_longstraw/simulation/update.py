@@ -230,7 +230,9 @@ def run(spec: SimulationSpec) -> dict:
     text = config.get_text_config()
     device = torch.device(spec.device, 0) if spec.device == "cuda" else torch.device(spec.device)
     devices = device_spec(spec.device_spec)
+    # a chunk's tokens, each routed to up to `num_experts_per_tok` experts (a MoE layer's dispatch), is no prompt
     chunk = max(setup.prefill_chunk_size, setup.attention_chunk_size, setup.completion_tokens + 1)
+    chunk *= getattr(text, "num_experts_per_tok", None) or 1
     tracker = UpdateTracker(device.type, devices, Oversize(long=2 * chunk, wide=text.hidden_size))
     mode = SimulatedDevice() if spec.fake else contextlib.nullcontext()
     progress = Progress(spec.progress)
@@ -253,6 +255,7 @@ def run(spec: SimulationSpec) -> dict:
         stack.enter_context(update.sampling())
         update.run()
         progress.close()
+        tracker.oversize.exempt(model)  # its shards' shapes too, now that they exist
     reads = dict(mode.answered_reads) if spec.fake else {}
     largest = tracker.largest(name for name in tracker.phases if name not in SETUP)
     return {
@@ -263,7 +266,9 @@ def run(spec: SimulationSpec) -> dict:
         "peak_gib": max(tracker.phases[name].peak_bytes for name in tracker.phases if name not in SETUP) / 2**30,
         "phases": {name: tracker.phases[name].to_dict() for name in PHASES if name in tracker.phases},
         "largest_allocation": None if largest is None else largest.to_dict(),
-        "oversized": [allocation.to_dict() for allocation in tracker.oversized],
+        "oversized": [
+            made.to_dict() for made in tracker.oversized_of(name for name in tracker.phases if name not in SETUP)
+        ],
         "stand_ins": stand_ins,
         "answered_reads": reads,
         "sampled_iterations": update.sampled,
@@ -402,28 +407,33 @@ class GroupUpdate:
         if exact:
             with self._phase("prompt_backward", -(-chunks // spec.context_parallel)), self.autocast():
                 engine.backward_prompt(lm, state, prompt)
-        del state, logps, grad_logps
+            state = None  # its gradient buffers make it single-use: the trainer drops it
+        del logps, grad_logps
         with self._phase("gradient_sync", None):
             self._reduce_gradients()
-        with self._phase("optimizer", None):
+        with self._phase("optimizer", None):  # a detach-mode state is kept through the step, as the trainer keeps it
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        del state
 
     def _finish_phase(self) -> None:
         if self.sharded is not None:  # the ranks' passes agree at a phase's end (fsdp.py)
             self.sharded.finish_phase()
 
     def _reduce_gradients(self) -> None:
-        """The end of the accumulation window: FSDP2's reduce-scatter, or the data-parallel all-reduce (under context
-        parallelism too: every rank holds its share of its group's gradient)."""
+        """The end of the accumulation window, as the trainer closes it: FSDP2's reduce-scatter, or the data-parallel
+        all-reduce (under context parallelism too: every rank holds its share of its group's gradient), then the
+        gradients' finiteness check."""
         from ..distributed import average_gradients
+        from ..faults import first_non_finite_gradient
 
         if self.sharded is not None:
             self.sharded.finish_phase()
             self.sharded.reduce_gradients()
-            return
-        params = [param for param in self.model.parameters() if param.requires_grad]
-        average_gradients(params, shares=self.spec.context_parallel)
+        else:
+            params = [param for param in self.model.parameters() if param.requires_grad]
+            average_gradients(params, shares=self.spec.context_parallel)
+        first_non_finite_gradient(self.model)  # the trainer's check, on this rank's shards (empty ones too)
 
     def _decode(self, state, prompt: torch.Tensor, group: int) -> None:
         from ..rollout import PromptRows, decode, prepare_sampling

@@ -208,13 +208,22 @@ class IndexerKeys(LayerState):
         rows = -(-tokens // -(-tokens // rows))  # as many row blocks as that needs, evened out
         row_blocks = [(start, min(start + rows, tokens)) for start in range(0, tokens, rows)]
         bests = [None if best is None else (best[0][:, a:b], best[1][:, a:b]) for a, b in row_blocks]
-        for start in visits(
-            range(0, limit, keys_per_call), key=lambda start: min(start + keys_per_call, limit) - start
-        ):
+
+        def full(best) -> bool:  # a running top-k already k wide: a merge changes its values, not its shape
+            return best is not None and best[0].shape[-1] == k
+
+        def block_kind(start: int):  # key blocks are interchangeable once every row block's top-k is full
+            return (min(start + keys_per_call, limit) - start) if all(full(best) for best in bests) else object()
+
+        def row_kind(item):  # and row blocks once their own is
+            index, (a, b) = item
+            return (b - a) if full(bests[index]) else object()
+
+        for start in visits(range(0, limit, keys_per_call), key=block_kind):
             end = min(start + keys_per_call, limit)
             keys = self.prompt.placement.stage(self.keys.read(end)[:, start:end], hidden.device)
             key_index = self.prompt.global_indices(start, end).to(hidden.device)
-            for i, (a, b) in visits(enumerate(row_blocks), key=lambda item: item[1][1] - item[1][0]):
+            for i, (a, b) in visits(enumerate(row_blocks), key=row_kind):
                 candidates = block_candidates(self.mixer, _rows_of(call, a, b), keys, key_index, k)
                 bests[i] = merge_candidates(bests[i], candidates, k)
         return torch.cat([b[0] for b in bests], dim=1), torch.cat([b[1] for b in bests], dim=1)
