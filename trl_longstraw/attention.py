@@ -504,11 +504,12 @@ class _Picked:
         count = keys.shape[1]
         inside = (picked >= 0) & (picked < count)
         # The picks of this block first, and only as many per token as the token with the most of them has here (a
-        # top-k splits between the prompt's pages and the forward's own keys): the other picks cost nothing.
+        # top-k splits between the prompt's pages and the forward's own keys): the other picks cost nothing. A top-k's
+        # picks are distinct, so no more than the block's keys.
         order = torch.argsort(inside.to(torch.int8), dim=-1, descending=True, stable=True)
-        width = max(1, int(inside.sum(-1).max()))
+        width = max(1, min(count, int(inside.sum(-1).max())))
         inside, picked = inside.gather(-1, order[..., :width]), picked.gather(-1, order[..., :width])
-        self.index = torch.where(inside, picked, torch.zeros_like(picked))  # [batch, tokens, width]
+        self.index = picked.clamp(0, count - 1)  # [batch, tokens, width]; `visible` drops the picks not inside
         key_positions = to_device(block.positions, q.device)[self.index]
         self.visible = inside & visible_pairs(
             to_device(q_positions, q.device)[None, :, None], key_positions, visibility

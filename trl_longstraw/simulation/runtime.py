@@ -121,6 +121,7 @@ class SimulatedDevice(FakeTensorMode):
         self.bounds = WeakIdKeyDictionary()  # fake tensor without a shadow -> (lowest, highest) value
         self.answered_reads: Counter = Counter()  # reads without a shadow: "upper bound", "bool"
         self.collectives = None  # the simulated world's `MirroredCollectives` (world.py), in a world of several ranks
+        self._fake_ops = 0  # fake ops under way: what their decompositions allocate is part of a fake output
 
     # ----------------------------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -128,7 +129,8 @@ class SimulatedDevice(FakeTensorMode):
         if func is aten.detach.default or func in _METADATA:  # no values, no allocation, asked constantly
             return super().__torch_dispatch__(func, types, args, kwargs)
         flat = list(tensors_of(args, kwargs.values()))
-        if not any(_is_fake(value) for value in flat) and self._stays_on_host(func, args, flat, kwargs):
+        on_host = not self._fake_ops and not any(_is_fake(value) for value in flat)
+        if on_host and self._stays_on_host(func, args, flat, kwargs):
             with unset_fake_temporarily():
                 out = func(*args, **kwargs)
                 self._mirror(func, args)
@@ -137,10 +139,13 @@ class SimulatedDevice(FakeTensorMode):
             return self._read(args[0])
         if func in (aten._assert_async.default, aten._assert_async.msg):
             return None
+        self._fake_ops += 1
         try:
             out = super().__torch_dispatch__(func, types, args, kwargs)
         except (DynamicOutputShapeException, DataDependentOutputException):
             return self._from_shadows(func, args, kwargs)
+        finally:
+            self._fake_ops -= 1
         self._shadow(func, args, kwargs, out)
         self._bound(func, args, kwargs, out)
         return out
@@ -155,7 +160,8 @@ class SimulatedDevice(FakeTensorMode):
             return False
         if func in _FACTORIES:
             dtype = kwargs.get("dtype") or (flat[0].dtype if flat else torch.get_default_dtype())
-            if kwargs.get("pin_memory") or dtype.is_floating_point:  # room for data (pages, buffers): fake
+            # Room for data: pages, buffers, and the bytes FSDP2 gathers a group of mixed dtypes into. Fake.
+            if kwargs.get("pin_memory") or dtype.is_floating_point or dtype == torch.uint8:
                 return False
             size = next((value for value in args if isinstance(value, (list, tuple, torch.Size))), None)
             numel = _numel(size) if size is not None else (flat[0].numel() if flat else 1)
@@ -233,7 +239,8 @@ class SimulatedDevice(FakeTensorMode):
         elif packet in _ARITHMETIC and len(args) >= 2:
             parts = [_combined(packet, self._value_bound(args[0]), self._value_bound(args[1]))]
         elif packet is aten.clamp:
-            bound, low, high = self._value_bound(source), *(list(args[1:3]) + [None, None])[:2]
+            low, high = (list(args[1:3]) + [None, None])[:2]
+            bound = self._value_bound(source) or ((low, high) if low is not None and high is not None else None)
             parts = None if bound is None else [(max(bound[0], low or bound[0]), min(bound[1], high or bound[1]))]
         elif packet is aten.cat:
             parts = [self._value_bound(tensor) for tensor in args[0]]
