@@ -43,6 +43,7 @@ from .devices import DeviceSpec
 GIB = 1024**3
 AT_PEAK = 12  # the largest live allocations a phase keeps from its peak
 SNAPSHOT_STEP = 1.01  # a phase's peak is looked into again when it has risen by 1%
+SETTLE_S = 0.002  # how long a real run waits after a collective for the process group's worker threads
 aten = torch.ops.aten
 _WORKSPACE: dict = {}  # op overload packet -> bytes of the transient workspace its kernel allocates, of its arguments
 
@@ -160,11 +161,19 @@ class _Storage:
 class UpdateTracker(TorchDispatchMode):
     """Counts what the update holds and does, per phase (module docstring). `device_type`: the accelerator's device
     type ("cuda"; "cpu" for a real run on the host); `spec`: the device the roofline is computed for (None: no
-    times); `oversize`: the allocation rule flagged (None: nothing flagged)."""
+    times); `oversize`: the allocation rule flagged (None: nothing flagged); `settle_collectives`: a real run of
+    several ranks, whose process group's worker threads must release each collective's tensors before the next op."""
 
-    def __init__(self, device_type: str = "cuda", spec: DeviceSpec | None = None, oversize: Oversize | None = None):
+    def __init__(
+        self,
+        device_type: str = "cuda",
+        spec: DeviceSpec | None = None,
+        oversize: Oversize | None = None,
+        settle_collectives: bool = False,
+    ):
         super().__init__()
         self.device_type = device_type
+        self.settle_collectives = settle_collectives
         self.spec = spec
         self.oversize = oversize
         self.live: Counter = Counter()  # bytes by device type
@@ -174,6 +183,7 @@ class UpdateTracker(TorchDispatchMode):
         self.oversized: list[Allocation] = []
         self.ops = 0
         self._original_resize = None
+        self._collective_done = False  # a collective ran since the last op (`settle_collectives`)
 
     # -- phases ------------------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -292,6 +302,11 @@ class UpdateTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._collective_done and self.settle_collectives:
+            # A real process group's worker thread drops its references to a collective's tensors just after the
+            # collective completes, which races the next ops: a buffer the update dropped would count as live.
+            time.sleep(SETTLE_S)
+        self._collective_done = func.namespace == "c10d"
         out = func(*args, **kwargs)
         if func in _METADATA:
             return out

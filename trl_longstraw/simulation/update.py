@@ -233,7 +233,12 @@ def run(spec: SimulationSpec) -> dict:
     # a chunk's tokens, each routed to up to `num_experts_per_tok` experts (a MoE layer's dispatch), is no prompt
     chunk = max(setup.prefill_chunk_size, setup.attention_chunk_size, setup.completion_tokens + 1)
     chunk *= getattr(text, "num_experts_per_tok", None) or 1
-    tracker = UpdateTracker(device.type, devices, Oversize(long=2 * chunk, wide=text.hidden_size))
+    tracker = UpdateTracker(
+        device.type,
+        devices,
+        Oversize(long=2 * chunk, wide=text.hidden_size),
+        settle_collectives=not spec.fake and spec.world_size > 1,
+    )
     mode = SimulatedDevice() if spec.fake else contextlib.nullcontext()
     progress = Progress(spec.progress)
     stand_ins: list[str] = []
