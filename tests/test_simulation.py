@@ -139,6 +139,25 @@ def test_a_later_context_parallel_rank_of_a_hybrid_is_refused_naming_rank_zero()
         run(validation_spec("hybrid", "detach", fake=True, rank=1, context_parallel=2))
 
 
+def test_a_rank_of_sharded_weights_holds_its_shards_and_their_moments():
+    """Counted from the shapes, not by the tracker that both validation runs share: FSDP2's sharded parameters are
+    DTensors, whose ops run on their local tensors beneath the tracker; each rank holds its padded row shard of every
+    parameter (whole buffers), and AdamW two moments of it."""
+    from transformers import AutoModelForCausalLM
+
+    spec = validation_spec("dense", "exact", fake=True, weight_shards=2)
+    spec = dataclasses.replace(spec, setup={**spec.setup, "lora_rank": 0})  # full fine-tuning: every weight trains
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3"), dtype=torch.float32)
+    shards = sum(-(-p.shape[0] // 2) * p[0].numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    phases = run(spec)["phases"]
+    weights = phases["weights"]["held_gib"] * 2**30
+    moments = (phases["optimizer_state"]["held_gib"] - phases["weights"]["held_gib"]) * 2**30
+    assert weights == pytest.approx(shards + buffers, rel=0.01)  # (and small tensors beside: rotary frequencies)
+    assert moments == pytest.approx(2 * shards, rel=0.01)  # (and AdamW's step counters)
+
+
 def test_the_busiest_rank_replays_the_most_members_and_holds_the_most_tokens():
     setup = UpdateSetup(prompt_tokens=2_088_960, completion_tokens=2048, group_size=2, prefill_chunk_size=16384)
     assert busiest_rank(setup, 8) == 0  # two members: ranks 0 and 1 replay one, rank 0 holds a token less

@@ -35,6 +35,7 @@ import torch
 from torch.distributed._tools.fake_collectives import CollectiveOp, collective_ops
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -312,7 +313,11 @@ class UpdateTracker(TorchDispatchMode):
             return out
         self.ops += 1
         record = self._record()
-        outputs = list(tensors_of(out))
+        made, outputs, inputs = out, list(tensors_of(out)), list(tensors_of(args, kwargs.values()))
+        if any(isinstance(tensor, DTensor) for tensor in (*outputs, *inputs)):
+            # A sharded tensor's op runs on its local tensors, beneath this mode: they are what is held and done.
+            args, kwargs, made = tree_map(_local, (args, kwargs, out))
+            outputs, inputs = list(tensors_of(made)), list(tensors_of(args, kwargs.values()))
         name = str(func.overloadpacket.__name__)
         workspace_of = _WORKSPACE.get(func.overloadpacket)
         workspace = 0 if workspace_of is None else int(workspace_of(*args, **kwargs))
@@ -321,12 +326,11 @@ class UpdateTracker(TorchDispatchMode):
             self._add(tensor, name)
         self._peak(record)
         if func in collective_ops:
-            record.communication_bytes += _communication_bytes(func, out, args, kwargs)
+            record.communication_bytes += _communication_bytes(func, made, args, kwargs)
             return out
-        inputs = list(tensors_of(args, kwargs.values()))
         if not any(tensor.device.type == self.device_type for tensor in (*inputs, *outputs)):
             return out  # host bookkeeping (positions, lengths): not the device's work
-        flops = _flops(func, out, args, kwargs)
+        flops = _flops(func, made, args, kwargs)
         record.flops += flops
         if self.spec is not None:
             moved = 0 if func.is_view else sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)
@@ -337,6 +341,10 @@ class UpdateTracker(TorchDispatchMode):
 
 # Queries of a tensor's metadata that reach the dispatcher for fake tensors (`tensor.device`): nothing to count.
 _METADATA = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
+
+
+def _local(value):
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def tensors_of(*groups) -> Iterator[torch.Tensor]:
