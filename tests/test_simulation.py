@@ -199,7 +199,16 @@ def glm5_at_full_width_on_64_ranks() -> SimulationSpec:
     config.num_hidden_layers = 4
     for per_layer in ("layer_types", "mlp_layer_types", "indexer_types"):
         setattr(config, per_layer, getattr(config, per_layer)[:4])
-    targets = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    targets = (
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
     setup = UpdateSetup(
         prompt_tokens=8193,
         completion_tokens=32,
