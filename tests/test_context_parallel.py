@@ -2,12 +2,15 @@
 log-probs and gradients, and each rank keeps about half of the prompt's pages."""
 
 import os
+from collections import Counter
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from trl_longstraw.context_parallel import ShardLayout, capture_attention_pairs
+from trl_longstraw.attention import KeyBlock, Visibility
+from trl_longstraw.context_parallel import ContextParallelGroup, ShardLayout, capture_attention_pairs
+from trl_longstraw.context_parallel.step import StepCall
 
 from .context_parallel_worker import ROLLOUT_FAMILIES, run, run_data_and_context_parallel
 
@@ -413,3 +416,30 @@ def test_more_context_parallel_ranks_score_replay_and_back_propagate_as_one_proc
             assert result["same_parameters"] and result["rank_difference"] == 0.0, case
             assert max(result["grad_errors"].values()) <= 1e-4, case
         assert [rank[case]["held"] for rank in ranks] == [layout.held(rank) for rank in range(world)]
+
+
+def test_a_step_computes_every_query_key_pair_once_in_pieces_of_one_chunk_each():
+    """Every rank's terms over the step's pieces: each query row reads every rank's pages and each chunk of the step
+    up to its own exactly once, computed by one rank, and a piece holds one chunk's rows in all (the step's memory
+    does not grow with the CP size)."""
+    size, lengths = 4, (7, 7, 6, 6)
+    starts = tuple(sum(lengths[:rank]) for rank in range(size))
+    positions = tuple(torch.arange(start, start + n) for start, n in zip(starts, lengths, strict=True))
+    pages = ((KeyBlock(torch.arange(5), shared=True),),) * size
+    computed = Counter()
+    for me in range(size):
+        cp = ContextParallelGroup(None, me, size)
+        call = StepCall(cp, starts, positions, pages, None, 1.0, Visibility(), 4, None, "capture")
+        own = (me, slice(0, lengths[me]), "own", call.own_blocks())
+        for piece in call.pieces():
+            assert sum(len(range(rows.start, rows.stop)) for rows in map(call.rows, range(size), [piece] * size)) <= 8
+        for rank, rows, source, _ in [own] + [term for piece in call.pieces() for term in call.terms(piece)]:
+            holder = me if source in ("pages", "own") else source
+            for row in range(rows.start, rows.stop):
+                computed[rank, row, "pages" if source == "pages" else "chunk", holder] += 1
+    expected = Counter()
+    for rank, n in enumerate(lengths):
+        for row in range(n):
+            expected.update((rank, row, "pages", holder) for holder in range(size))
+            expected.update((rank, row, "chunk", holder) for holder in range(rank + 1))
+    assert computed == expected

@@ -23,6 +23,8 @@ from .test_engine import case, prepared
 
 SETUP_FIELDS = {"prompt_state_dtype": "state_dtype", "prompt_state_device": "state_device"}  # config -> setup
 SETUP = UpdateSetup(prompt_tokens=4097, completion_tokens=64, group_size=4, lora_rank=4, prefill_chunk_size=1024)
+# a prompt whose pages outweigh what a context-parallel step gathers and exchanges (every rank's partials of a chunk)
+LONG_PROMPT = dataclasses.replace(SETUP, prompt_tokens=16385)
 
 
 def test_the_plan_is_the_accounting_of_the_update():
@@ -36,8 +38,8 @@ def test_the_plan_is_the_accounting_of_the_update():
 
 def test_context_parallelism_shares_the_attention_pages_and_replicates_recurrent_state():
     config = tiny_config("qwen3_5")  # GatedDeltaNet + attention
-    whole, halves = plan_run(config, SETUP), plan_run(config, SETUP, context_parallel=2)
-    attention = prompt_state_bytes(config, 2048, 2)["full_attention"]  # 4096 captured tokens: 2048 per rank
+    whole, halves = plan_run(config, LONG_PROMPT), plan_run(config, LONG_PROMPT, context_parallel=2)
+    attention = prompt_state_bytes(config, 8192, 2)["full_attention"]  # 16384 captured tokens: 8192 per rank
     assert halves.sharded_state == attention
     assert halves.replicated_state == whole.replicated_state > 0
     assert halves.device_bytes < whole.device_bytes
@@ -51,9 +53,10 @@ def test_full_fine_tuning_counts_each_weights_gradient_and_adam_moments():
 
 def test_every_suggestion_for_a_run_that_does_not_fit_fits_when_planned():
     config = tiny_config("qwen3")
-    whole = plan_run(config, SETUP)
+    setup = LONG_PROMPT
+    whole = plan_run(config, setup)
     budget = whole.device_bytes - whole.state_bytes // 3  # a third of the state too much
-    plan = plan_run(config, SETUP, budget=budget, devices=8)
+    plan = plan_run(config, setup, budget=budget, devices=8)
     assert plan.fits is False and plan.suggestions
     names = {key for suggestion in plan.suggestions for key in suggestion["settings"]}
     assert {"prompt_state_dtype", "prompt_state_device", "context_parallel_size"} <= names
@@ -63,7 +66,7 @@ def test_every_suggestion_for_a_run_that_does_not_fit_fits_when_planned():
         settings.pop("shard_weights", None)
         renamed = {SETUP_FIELDS.get(key, key): value for key, value in settings.items()}
         again = plan_run(
-            config, dataclasses.replace(SETUP, **renamed), context_parallel, budget,
+            config, dataclasses.replace(setup, **renamed), context_parallel, budget,
             weight_shards=suggestion["weight_shards"],
         )  # fmt: skip
         assert again.fits and again.device_bytes == suggestion["device_bytes"]

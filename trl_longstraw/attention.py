@@ -102,7 +102,7 @@ def efficient_backward_operands(out: torch.Tensor, lse: torch.Tensor) -> tuple[t
 Item = TypeVar("Item")
 
 
-def every_item(items: Iterable[Item], key: Callable[[Item], Hashable]) -> Iterable[Item]:
+def every_item(items: Iterable[Item], key: Callable[[Item], Hashable], together: dict | None = None) -> Iterable[Item]:
     """Every item of the loop: how the loops of `visits` run, outside a simulation."""
     return items
 
@@ -110,12 +110,13 @@ def every_item(items: Iterable[Item], key: Callable[[Item], Hashable]) -> Iterab
 _VISITS: list[Callable] = [every_item]
 
 
-def visits(items: Iterable[Item], key: Callable[[Item], Hashable]) -> Iterable[Item]:
+def visits(items: Iterable[Item], key: Callable[[Item], Hashable], together: dict | None = None) -> Iterable[Item]:
     """The items of a loop whose iterations with equal `key(item)` are the same computation on other data and leave the
     same tensors behind (a block's key chunks merged into one running output, a DSA indexer's key blocks into one
     running top-k, a context-parallel step's partials): every one, unless a simulation samples them
-    (`sampled_visits`)."""
-    return _VISITS[-1](items, key)
+    (`sampled_visits`). Loops given one `together` dict (empty at first) are sampled as one loop: their iterations
+    of equal key are interchangeable across them too (the pieces of a context-parallel step)."""
+    return _VISITS[-1](items, key, together)
 
 
 @contextlib.contextmanager

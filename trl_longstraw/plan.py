@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import warnings
@@ -28,7 +29,14 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 from transformers.utils import logging
 
-from .accounting import UpdateAccount, UpdateSetup, prompt_state_bytes, stock_activation_bytes, update_account
+from .accounting import (
+    UpdateAccount,
+    UpdateSetup,
+    prompt_state_bytes,
+    step_attention_bytes,
+    stock_activation_bytes,
+    update_account,
+)
 from .context_parallel import ShardLayout
 from .fsdp import is_sharded, shard_count
 
@@ -221,6 +229,16 @@ def plan_run(
     suggested."""
     account = update_account(config, setup)
     captured = setup.prompt_tokens - 1  # all but the last prompt token are captured
+    if context_parallel > 1:  # every rank's partials at once: the step attention's share of both working sets
+        step = functools.partial(
+            step_attention_bytes, config, context_parallel=context_parallel, dtype_bytes=setup.dtype_bytes
+        )
+        capture, replay = account.capture, account.replay
+        account = dataclasses.replace(
+            account,
+            capture=dataclasses.replace(capture, step_attention=step(capture.tokens, grad=False)),
+            replay=dataclasses.replace(replay, step_attention=step(replay.tokens, grad=True)),
+        )
     layout = ShardLayout.of(captured, context_parallel, setup.prefill_chunk_size)
     shard = max(layout.held_tokens(rank) for rank in range(context_parallel))
     per_shard = prompt_state_bytes(config, shard, setup.dtype_bytes, setup.state_dtype)

@@ -18,6 +18,7 @@ from .update import (
     lora_account,
     nf4_weight_bytes,
     replay_graph_account,
+    step_attention_bytes,
     update_account,
     weight_account,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "prompt_state_account",
     "prompt_state_bytes",
     "replay_graph_account",
+    "step_attention_bytes",
     "stock_activation_bytes",
     "update_account",
     "weight_account",

@@ -201,7 +201,8 @@ def _layer_linear_elements(layer: nn.Module, experts_per_token: int) -> int:
 class GraphAccount:
     """An ESTIMATE of the largest working set of one forward (+ backward) of `tokens` tokens over the prompt state:
     what autograd saves (`saved`), the backward's working set (`backward`), the prefix attention's fp32 score tiles
-    (`attention_tiles`), TRL's fused LM head (`lm_head`) and transformers' DSA indexer (`indexer`)."""
+    (`attention_tiles`), TRL's fused LM head (`lm_head`), transformers' DSA indexer (`indexer`) and, under context
+    parallelism, the step attention's gathered inputs and exchanged partials (`step_attention`)."""
 
     tokens: int
     saved: int = 0
@@ -209,10 +210,11 @@ class GraphAccount:
     attention_tiles: int = 0
     lm_head: int = 0
     indexer: int = 0
+    step_attention: int = 0
 
     @property
     def bytes(self) -> int:
-        return self.saved + self.backward + self.attention_tiles + self.lm_head + self.indexer
+        return self.saved + self.backward + self.attention_tiles + self.lm_head + self.indexer + self.step_attention
 
 
 def replay_graph_account(
@@ -271,6 +273,37 @@ def capture_chunk_account(
         dtype_bytes,
         trust_remote_code,
     )
+
+
+def step_attention_bytes(
+    config: PretrainedConfig | nn.Module,
+    tokens: int,
+    context_parallel: int,
+    grad: bool,
+    dtype_bytes: int = 2,
+    trust_remote_code: bool = False,
+) -> int:
+    """ESTIMATE of the context-parallel step attention's working set at its widest layer (`context_parallel/step.py`),
+    for `tokens` tokens per rank; 0 without context parallelism. A capture's step gathers every rank's keys and values
+    (model dtype) and goes through the rows in `context_parallel` pieces: each gathers every rank's queries of the
+    piece (one chunk's worth in all) and holds every rank's fp32 partials `heads x (dv + 1)` of them, sent and
+    received, beside this rank's merged output. A replay's rows gather no keys; their backward holds, per piece, the
+    gathered output gradients, outputs and log-sum-exps (about two partials' worth) and the fp32 query gradients sent
+    and received, beside the whole query gradient."""
+    if context_parallel == 1:
+        return 0
+    skeleton = skeleton_of(config, trust_remote_code)
+    text_config = skeleton.config.get_text_config()
+    widest = 0
+    for plan in check_supported(skeleton):
+        for kind, mixer in plan.kinds:
+            query, key_value, partial = kind.step_attention_elements(mixer, text_config)
+            if grad:
+                per_token = query * dtype_bytes + (3 * query + 2 * partial) * FP32_BYTES
+            else:
+                per_token = context_parallel * key_value * dtype_bytes + query * dtype_bytes + 3 * partial * FP32_BYTES
+            widest = max(widest, per_token)
+    return tokens * widest
 
 
 def _graph_account(

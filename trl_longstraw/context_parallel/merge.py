@@ -1,5 +1,5 @@
 """The exact merge of partial attention: a query's attention over the keys one rank holds is that rank's partial
-`(o, lse)`, and partials merge by log-sum-exp, which is exact: on one rank that holds them all (`merge_stacked`, the
+`(o, lse)`, and partials merge by log-sum-exp, which is exact: on one rank that holds them all (`merge_partials`, the
 steps' and rows' attention, `step.py`) or across the CP group (`merge_across`: an all-reduce of the max log-sum-exp and
 then of the weighted outputs, the rollouts' decoding, where every rank decodes the same rows). DSA's top-k merges the
 same way across the group: each rank's candidates, then the top-k of all of them (`merge_topk`).
@@ -32,13 +32,22 @@ def merge_across(out: torch.Tensor, lse: torch.Tensor, cp: ContextParallelGroup)
     return merged, safe + torch.log(total)
 
 
-def merge_stacked(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact softmax over the union of several key sets, from their partials stacked on dim 0 (`out [n, ...,
-    dv]`, `lse [n, ...]`): what `merge_across` computes, where one rank holds every partial."""
-    safe = _finite(lse.max(0).values)
-    weight = torch.exp(lse - safe)
-    total = weight.sum(0)
-    merged = (weight[..., None] * out).sum(0) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+def merge_partials(partials: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact softmax over the union of several key sets, from their partials (each `[..., dv + 1]`: the output
+    then the log-sum-exp): what `merge_across` computes, where one rank holds every partial. One partial's weights
+    at a time, so no stacked copy of them all."""
+    lses = [partial[..., -1] for partial in partials]
+    top = lses[0]
+    for lse in lses[1:]:
+        top = torch.maximum(top, lse)
+    safe = _finite(top)
+    merged, total = None, None
+    for partial, lse in zip(partials, lses, strict=True):
+        weight = torch.exp(lse - safe)
+        weighted = weight[..., None] * partial[..., :-1]
+        merged = weighted if merged is None else merged.add_(weighted)
+        total = weight if total is None else total.add_(weight)
+    merged /= torch.where(total > 0, total, torch.ones_like(total))[..., None]
     return merged, safe + torch.log(total)
 
 

@@ -14,8 +14,11 @@ computes, after one all-gather of the step's queries, keys and values (one chunk
 Rows after the prompt (scoring and replay, every rank running its own members: `starts` None) are the same without
 chunks between ranks: every rank computes every rank's rows over its pages, and its own rows over their own keys.
 
-The partials go to their queries' ranks (one all-to-all) and are merged by log-sum-exp there, which is exact. The
-backward is the same work in reverse (the ring-attention identity: a key block's gradients need only the merged output
+The partials go to their queries' ranks (all-to-all) and are merged by log-sum-exp there, which is exact. The rows
+go through in `cp` pieces (`StepCall.pieces`): each piece's queries are gathered, and its partials computed and
+exchanged, on their own (the keys and values once per step), so a rank never holds every rank's queries and partials
+at once: at 2M tokens that is tens of GiB per layer for MLA's 64 heads. A rank's own queries over its own chunk stay
+where they are, whole (the fused kernels take a square causal block, not a piece of one). The backward is the same work in reverse (the ring-attention identity: a key block's gradients need only the merged output
 and log-sum-exp): the step's output gradients, outputs and log-sum-exps are all-gathered, each rank back-propagates the
 partials it computed, the query gradients go back to the queries' ranks and the gathered keys' and values' gradients
 to the chunks' ranks (all-to-all each); the pages get theirs where they live.
@@ -30,13 +33,14 @@ gradients) and, for chunks, `n kv (d + dv)` (the gathered keys' and values' grad
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ..attention import KeyBlock, Visibility, blocks_backward, merge_by_lse, sinks_gradient, visits
 from .communication import ContextParallelGroup
-from .merge import empty_partial, merge_stacked, partial_attention
+from .merge import merge_partials, partial_attention
 
 
 @dataclass(frozen=True)
@@ -55,25 +59,60 @@ class StepCall:
     kind: str  # the communication counter
     rows_first_index: int = 0  # rows after the prompt: the key index of their first own entry (the prompt's length)
 
-    def terms(self) -> list[tuple[int, slice, object, KeyBlock | tuple[KeyBlock, ...]]]:
-        """The partials this rank computes: `(queries' rank, their slice, key source, blocks)`, where the source is
-        "pages", "own" (this rank's chunk) or the rank of a gathered earlier chunk."""
+    def pieces(self) -> list[slice]:
+        """The step's rows in `cp.size` pieces (the same rows of every rank's chunk, cut to its length): each piece's
+        queries are gathered, and its partials exchanged, on their own, so what every rank holds for every rank's
+        queries at once is one chunk's worth, whatever the CP size."""
+        longest = max(len(positions) for positions in self.positions)
+        size = max(1, -(-longest // self.cp.size))
+        return [slice(start, min(start + size, longest)) for start in range(0, longest, size)]
+
+    def rows(self, rank: int, piece: slice) -> slice:
+        """`piece` of `rank`'s rows (empty past its chunk's end)."""
+        tokens = len(self.positions[rank])
+        return slice(min(piece.start, tokens), min(piece.stop, tokens))
+
+    def own_blocks(self) -> tuple[KeyBlock, ...]:
+        """This rank's queries over its own chunk, causally: merged where they are, without pieces (so the fused
+        kernels take its square causal blocks whole)."""
         me = self.cp.rank
+        return (self._chunk_block(me, me, slice(0, len(self.positions[me]))),)
+
+    def terms(self, piece: slice) -> list[tuple[int, slice, object, tuple[KeyBlock, ...]]]:
+        """The partials this rank computes for the rows of `piece` besides `own_blocks`: `(queries' rank, their rows,
+        key source, blocks)`, where the source is "pages", "own" (this rank's chunk, read by a later chunk's first
+        half) or the rank of a gathered earlier chunk."""
+        me = self.cp.rank
+
+        def within(rank: int, start: int, stop: int) -> slice | None:
+            rows = self.rows(rank, piece)
+            rows = slice(max(rows.start, start), min(rows.stop, stop))
+            return rows if rows.start < rows.stop else None
+
         terms = []
         for rank in range(self.cp.size):
             tokens = len(self.positions[rank])
-            terms.append((rank, slice(0, tokens), "pages", self.page_blocks[rank]))
-            if rank == me:
-                terms.append((rank, slice(0, tokens), "own", (self._chunk_block(me, rank, slice(0, tokens)),)))
-            elif self.starts is not None and self.starts[rank] > self.starts[me]:
-                head = slice(0, tokens // 2)
+            if (rows := within(rank, 0, tokens)) is not None:
+                terms.append((rank, rows, "pages", self._page_blocks(rank, rows)))
+            if (
+                rank != me
+                and self.starts is not None
+                and self.starts[rank] > self.starts[me]
+                and (head := within(rank, 0, tokens // 2)) is not None
+            ):
                 terms.append((rank, head, "own", (self._chunk_block(me, rank, head),)))
         tokens = len(self.positions[me])
         for rank in range(self.cp.size if self.starts is not None else 0):
-            if self.starts[rank] < self.starts[me]:
-                tail = slice(tokens // 2, tokens)
+            if self.starts[rank] < self.starts[me] and (tail := within(me, tokens // 2, tokens)) is not None:
                 terms.append((me, tail, rank, (self._chunk_block(rank, me, tail),)))
         return terms
+
+    def _page_blocks(self, reader: int, rows: slice) -> tuple[KeyBlock, ...]:
+        """The pages as rows `rows` of `reader`'s queries read them (their DSA picks)."""
+        return tuple(
+            block if block.picked is None else dataclasses.replace(block, picked=block.picked[:, rows])
+            for block in self.page_blocks[reader]
+        )
 
     def _chunk_block(self, holder: int, reader: int, rows: slice) -> KeyBlock:
         """`holder`'s chunk as rows `rows` of `reader`'s queries read it (picked by their DSA selection)."""
@@ -85,9 +124,9 @@ class StepCall:
 
 def _term_kind(term) -> tuple:
     """What decides a partial's computation besides its data (`attention.visits`): its key source's kind (the pages,
-    the own chunk, another rank's), its rows, and its blocks' lengths and top-k widths."""
+    the own chunk, another rank's), its rows, and its blocks' lengths and top-k widths (every query of a term sees
+    every key of its blocks but the pages' excluded ones)."""
     _, rows, source, blocks = term
-    blocks = blocks if isinstance(blocks, tuple) else (blocks,)
     shapes = tuple(
         (len(block.positions), None if block.picked is None else tuple(block.picked.shape)) for block in blocks
     )
@@ -134,35 +173,18 @@ class StepAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, sinks, own_k, own_v, call: StepCall, *page_tensors):
-        cp, me = call.cp, call.cp.rank
+        me = call.cp.rank
         lengths = [len(positions) for positions in call.positions]
+        value_dim = own_v.shape[-1]
         with torch.autocast(q.device.type, enabled=False):
-            queries, keys, values = _gathered(call, q, own_k, own_v, lengths)
-            value_dim = own_v.shape[-1]
-            acc = torch.promote_types(q.dtype, torch.float32)
-            partials = [empty_partial(query, value_dim, acc) for query in queries]
-            for rank, rows, source, blocks in visits(call.terms(), key=_term_kind):
-                tensors = _source(source, page_tensors, own_k, own_v, keys, values)
-                part = partial_attention(
-                    queries[rank][:, :, rows],
-                    call.positions[rank][rows],
-                    call.scaling,
-                    call.visibility,
-                    call.chunk_size,
-                    call.softcap,
-                    blocks,
-                    tensors,
-                    value_dim,
-                    sinks if (rank, source) == (me, "own") else None,
-                )
-                out, lse = partials[rank]
-                merged = merge_by_lse(out[:, :, rows], lse[..., rows], *part)
-                out, lse = out.clone(), lse.clone()
-                out[:, :, rows], lse[..., rows] = merged
-                partials[rank] = (out, lse)
-            sent = [torch.cat([out, lse[..., None]], dim=-1) for out, lse in partials]
-            received = torch.stack(exchange(cp, sent, 2, lengths[me], call.kind))
-            out, lse = merge_stacked(received[..., :-1], received[..., -1])
+            keys, values = _gathered_chunks(call, own_k, own_v, lengths)
+            out, lse = partial_attention(
+                q, call.positions[me], call.scaling, call.visibility, call.chunk_size, call.softcap,
+                call.own_blocks(), (own_k, own_v), value_dim, sinks,
+            )  # fmt: skip
+            together = {}  # the pieces' partials are sampled as one loop
+            for piece in call.pieces():
+                _piece_forward(call, piece, together, q, own_k, own_v, keys, values, page_tensors, out, lse)
         ctx.save_for_backward(q, sinks, own_k, own_v, out, lse, *page_tensors)
         ctx.call, ctx.lengths = call, lengths
         return out.to(q.dtype)
@@ -175,39 +197,23 @@ class StepAttention(torch.autograd.Function):
         need = ctx.needs_input_grad
         with torch.autocast(q.device.type, enabled=False):
             d_out = d_out.to(out.dtype)
-            queries, keys, values = _gathered(call, q, own_k, own_v, lengths)
-            merged = gather_step(cp, torch.cat([d_out, out, lse[..., None]], dim=-1), lengths, 2, call.kind)
-            value_dim = out.shape[-1]
-            d_queries = [torch.zeros(query.shape, dtype=out.dtype, device=q.device) for query in queries]
+            keys, values = _gathered_chunks(call, own_k, own_v, lengths)
+            d_q, grads = blocks_backward(
+                d_out, q, call.positions[me], out, lse, call.scaling, call.visibility, call.chunk_size, call.softcap,
+                call.own_blocks(), (own_k, own_v), (True, True, True),
+            )  # fmt: skip
             d_own = [torch.zeros_like(own_k), torch.zeros_like(own_v)]
+            _accumulate(d_own, grads)
             d_keys = [
                 [torch.zeros_like(k), torch.zeros_like(v)] for k, v in zip(keys or (), values or (), strict=True)
             ]
             d_pages = [None] * len(page_tensors)
-            for rank, rows, source, blocks in visits(call.terms(), key=_term_kind):
-                tensors = _source(source, page_tensors, own_k, own_v, keys, values)
-                grad_out, out_rank, lse_rank = merged[rank][:, :, rows].split([value_dim, value_dim, 1], dim=-1)
-                flags = (True, *(need[5:] if source == "pages" else (True, True)))
-                d_q, grads = blocks_backward(
-                    grad_out,
-                    queries[rank][:, :, rows],
-                    call.positions[rank][rows],
-                    out_rank,
-                    lse_rank[..., 0],
-                    call.scaling,
-                    call.visibility,
-                    call.chunk_size,
-                    call.softcap,
-                    blocks,
-                    tensors,
-                    flags,
-                )
-                d_queries[rank][:, :, rows] += d_q
-                targets = d_pages if source == "pages" else d_own if source == "own" else d_keys[source]
-                for index, grad in enumerate(grads):
-                    if grad is not None:
-                        targets[index] = grad if targets[index] is None else targets[index] + grad
-            d_q = torch.stack(exchange(cp, d_queries, 2, lengths[me], call.kind)).sum(0)
+            together = {}
+            for piece in call.pieces():
+                _piece_backward(
+                    call, piece, together, need, q, d_out, out, lse, own_k, own_v, keys, values, page_tensors, d_q,
+                    d_own, d_keys, d_pages,
+                )  # fmt: skip
             returned = []
             if call.starts is not None:  # the step's earlier chunks' keys and values, back to their ranks
                 returned = exchange(cp, [torch.cat([k, v], dim=-1) for k, v in d_keys], 1, lengths[me], call.kind)
@@ -230,11 +236,113 @@ class StepAttention(torch.autograd.Function):
         )
 
 
-def _gathered(call: StepCall, q, own_k, own_v, lengths):
-    """The step's queries, and its keys and values where chunks of the step read each other (None for rows)."""
+def _gathered_chunks(call: StepCall, own_k, own_v, lengths):
+    """Every rank's chunk's keys and values, by rank, where chunks of the step read each other; (None, None) for
+    rows after the prompt."""
     if call.starts is None:
-        return gather_step(call.cp, q, lengths, 2, call.kind), None, None
-    return gather_together(call.cp, [q, own_k, own_v], [2, 1, 1], lengths, call.kind)
+        return None, None
+    return gather_together(call.cp, [own_k, own_v], [1, 1], lengths, call.kind)
+
+
+def _piece_gather(call: StepCall, piece: slice, rows: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's `rows [batch, heads, rows, ...]` of `piece` (this rank's given), by rank."""
+    counts = [rows.stop - rows.start for rows in (call.rows(rank, piece) for rank in range(call.cp.size))]
+    return gather_step(call.cp, rows, counts, 2, call.kind)
+
+
+def _piece_forward(
+    call: StepCall, piece: slice, together: dict, q, own_k, own_v, keys, values, page_tensors, out, lse
+):
+    """The rows of `piece`: every rank's partials from this rank's keys, exchanged, and this rank's merged into `out`
+    and `lse` in place. Nothing of the piece outlives the call (its sampled iterations leave the same tensors behind)."""
+    mine = call.rows(call.cp.rank, piece)
+    sent = _partials(call, piece, together, q, own_k, own_v, keys, values, page_tensors)
+    received = exchange(call.cp, sent, 2, mine.stop - mine.start, call.kind)
+    del sent
+    out[:, :, mine], lse[..., mine] = merge_by_lse(out[:, :, mine], lse[..., mine], *merge_partials(received))
+
+
+def _partials(
+    call: StepCall, piece: slice, together: dict, q, own_k, own_v, keys, values, page_tensors
+) -> list[torch.Tensor]:
+    """Every rank's partial of the rows of `piece` from this rank's keys, by rank, each as one tensor to send:
+    `[batch, heads, rows, dv + 1]`, the output then the log-sum-exp. Each term merges into its rank's tensor in place;
+    the piece's gathered queries are dropped on return, before the exchange."""
+    me = call.cp.rank
+    queries = _piece_gather(call, piece, q[:, :, call.rows(me, piece)])
+    value_dim = own_v.shape[-1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    partials = []
+    for query in queries:
+        partial = torch.zeros((*query.shape[:-1], value_dim + 1), dtype=acc, device=q.device)
+        partial[..., value_dim] = float("-inf")
+        partials.append(partial)
+    for rank, rows, source, blocks in visits(call.terms(piece), _term_kind, together):
+        tensors = _source(source, page_tensors, own_k, own_v, keys, values)
+        local = slice(rows.start - piece.start, rows.stop - piece.start)
+        part = partial_attention(
+            queries[rank][:, :, local],
+            call.positions[rank][rows],
+            call.scaling,
+            call.visibility,
+            call.chunk_size,
+            call.softcap,
+            blocks,
+            tensors,
+            value_dim,
+            None,
+        )
+        target = partials[rank][:, :, local]
+        merged_out, merged_lse = merge_by_lse(target[..., :value_dim], target[..., value_dim], *part)
+        target[..., :value_dim], target[..., value_dim] = merged_out, merged_lse
+    return partials
+
+
+def _piece_backward(
+    call, piece, together, need, q, d_out, out, lse, own_k, own_v, keys, values, page_tensors, d_q, d_own, d_keys,
+    d_pages,
+) -> None:  # fmt: skip
+    """The rows of `piece`: every rank's query gradients from this rank's keys, exchanged, and this rank's added to
+    `d_q`; this rank's keys' gradients added to `d_own`, `d_keys` and `d_pages`."""
+    me = call.cp.rank
+    mine = call.rows(me, piece)
+    queries = _piece_gather(call, piece, q[:, :, mine])
+    merged = _piece_gather(call, piece, torch.cat([d_out[:, :, mine], out[:, :, mine], lse[..., mine, None]], -1))
+    value_dim = out.shape[-1]
+    d_queries = [torch.zeros(query.shape, dtype=out.dtype, device=q.device) for query in queries]
+    for rank, rows, source, blocks in visits(call.terms(piece), _term_kind, together):
+        tensors = _source(source, page_tensors, own_k, own_v, keys, values)
+        local = slice(rows.start - piece.start, rows.stop - piece.start)
+        grad_out, out_rank, lse_rank = merged[rank][:, :, local].split([value_dim, value_dim, 1], dim=-1)
+        flags = (True, *(need[5:] if source == "pages" else (True, True)))
+        d_rows, grads = blocks_backward(
+            grad_out,
+            queries[rank][:, :, local],
+            call.positions[rank][rows],
+            out_rank,
+            lse_rank[..., 0],
+            call.scaling,
+            call.visibility,
+            call.chunk_size,
+            call.softcap,
+            blocks,
+            tensors,
+            flags,
+        )
+        d_queries[rank][:, :, local] += d_rows
+        _accumulate(d_pages if source == "pages" else d_own if source == "own" else d_keys[source], grads)
+    del queries, merged
+    received = exchange(call.cp, d_queries, 2, mine.stop - mine.start, call.kind)
+    del d_queries
+    while received:
+        d_q[:, :, mine] += received.pop(0)
+
+
+def _accumulate(targets: list, grads) -> None:
+    """Add each of `grads` (None: none) to its entry of `targets` (None: none yet)."""
+    for index, grad in enumerate(grads):
+        if grad is not None:
+            targets[index] = grad if targets[index] is None else targets[index] + grad
 
 
 def _source(source, page_tensors, own_k, own_v, keys, values) -> tuple[torch.Tensor, ...]:

@@ -342,9 +342,10 @@ class GroupUpdate:
             return contextlib.nullcontext()
         return sampled_visits(self._visit)
 
-    def _visit(self, items, key):
-        seen: Counter = Counter()
-        costs = {}
+    def _visit(self, items, key, together=None):
+        memo = {} if together is None else together
+        seen: Counter = memo.setdefault("seen", Counter())
+        costs = memo.setdefault("costs", {})
         for item in items:
             item_key = key(item)
             seen[item_key] += 1

@@ -85,6 +85,13 @@ class AttentionPages(LayerState):
         return getattr(mixer, "num_heads", None) or config.num_attention_heads
 
     @classmethod
+    def step_attention_elements(cls, mixer, config):
+        head_dim = getattr(mixer, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        heads = cls.attention_heads(mixer, config)
+        return heads * head_dim, 2 * kv_heads * head_dim, heads * (head_dim + 1)
+
+    @classmethod
     def prompt_score_tiles(cls, mixer, config, layer_type):
         """A chunk the fused kernel cannot take keeps its scores: soft-capped logits, and a window's or an attention
         chunk's edges (measured on the simulation: a full-attention layer's chunks are fused on CUDA)."""

@@ -88,6 +88,13 @@ class LatentPages(LayerState):
         return getattr(mixer, "num_heads", None) or config.num_attention_heads
 
     @classmethod
+    def step_attention_elements(cls, mixer, config):
+        """Absorbed: every head's query over one latent head `[c, k_rope]`, whose values are the latents `c`."""
+        latent, width = mixer.kv_lora_rank, mixer.kv_lora_rank + mixer.qk_rope_head_dim
+        heads = cls.attention_heads(mixer, config)
+        return heads * width, width + latent, heads * (latent + 1)
+
+    @classmethod
     def prompt_score_tiles(cls, mixer, config, layer_type):
         """Absorbed MLA's chunks go through the fused kernel (values zero-padded to the keys' width); a DSA top-k's
         gathered keys are bounded like a score tile (`attention._Picked`)."""

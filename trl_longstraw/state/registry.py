@@ -137,6 +137,13 @@ class LayerState(abc.ABC):
         return 0
 
     @classmethod
+    def step_attention_elements(cls, mixer: nn.Module, config: PretrainedConfig) -> tuple[int, int, int]:
+        """Per token, over all heads, the elements of this kind's queries, of its keys and values, and of its
+        partial output `heads x (dv + 1)` (the output and its log-sum-exp), as its attention over the prompt receives
+        and returns them: what a context-parallel step gathers and exchanges (the accounting). Zeros: none."""
+        return 0, 0, 0
+
+    @classmethod
     def prompt_score_tiles(cls, mixer: nn.Module, config: PretrainedConfig, layer_type: str | None) -> bool:
         """Whether this kind's attention over a chunk of the prompt holds a `[heads, tokens, chunk]` fp32 score tile
         (plain-torch tiles, or gathered top-k keys of that size) rather than a fused kernel's `[heads, tokens, d]`
