@@ -202,8 +202,8 @@ def test_replay_estimate_bounds_the_saved_activations(family):
         model, state, lambda: engine.replay(model, state, prompt[-1:], completion, completion_tokens)
     )
     estimate = replay_graph_account(
-        model.config, completion_tokens, 59, 16, activation_checkpointing=False, dtype_bytes=4
-    )
+        model.config, completion_tokens, 59, 16, activation_checkpointing=False, dtype_bytes=4, fused_kernels=False
+    )  # the CPU's torch fallbacks of the recurrent kernels
     assert measured <= estimate.saved <= 3 * measured
 
 

@@ -40,7 +40,7 @@ BF16_BYTES = 2
 # not (activation functions and their products, RoPE, gates, casts, LoRA's rank-r intermediates). Measured on the
 # tiny model of every family (fp32, no checkpointing), the whole `saved` term is 1.1x to 2.1x what autograd saved.
 ACTIVATION_FACTOR = 2.0
-# (The recurrent kernels' own fp32 chunk matrices are their kinds' `replay_saved_bytes`.)
+# (What the recurrent kernels hold for backward is their kinds' `replay_saved_bytes`.)
 # TRL's fused LM head (trl.kernels.chunked_logprob): tiles of [min(tokens, 4096), 32768] logits in the compute dtype,
 # and an fp32 gradient of the hidden states in backward.
 # The prefix attention's working set where a fused kernel takes a chunk (CUDA's memory-efficient kernel): no score
@@ -225,11 +225,13 @@ def replay_graph_account(
     activation_checkpointing: bool,
     dtype_bytes: int = 2,
     trust_remote_code: bool = False,
+    fused_kernels: bool = True,
 ) -> GraphAccount:
     """ESTIMATE of one member's replay under autograd: `[last prompt token, completion]` = R + 1 tokens.
 
-    saved: ACTIVATION_FACTOR x (linear inputs + outputs + 2 x hidden) per token and layer at `dtype_bytes`, plus the
-    recurrent kernels' fp32 chunk terms; with activation checkpointing, one hidden state per token and layer plus one
+    saved: ACTIVATION_FACTOR x (linear inputs + outputs + 2 x hidden) per token and layer at `dtype_bytes`, plus what
+    the recurrent kernels hold for backward (`fused_kernels`: the GPU's, fla's; else transformers' torch fallbacks, as
+    a CPU run saves: `LayerState.replay_saved_bytes`); with activation checkpointing, one hidden state per token and layer plus one
     layer's activations recomputed in backward. backward: one layer's activations again (gradients of the layer being
     back-propagated, in flight). attention_tiles: the prefix attention visits the prompt in chunks of
     `attention_chunk_size` keys, each a `[heads, R + 1, chunk]` fp32 score tile and its exponent (two alive at once
@@ -248,6 +250,7 @@ def replay_graph_account(
         True,
         dtype_bytes,
         trust_remote_code,
+        fused_kernels,
     )
 
 
@@ -307,8 +310,9 @@ def step_attention_bytes(
 
 
 def _graph_account(
-    config, tokens, prompt_tokens, attention_chunk_size, checkpointing, grad, dtype_bytes, trust_remote_code
-) -> GraphAccount:
+    config, tokens, prompt_tokens, attention_chunk_size, checkpointing, grad, dtype_bytes, trust_remote_code,
+    fused_kernels=True,
+) -> GraphAccount:  # fmt: skip
     skeleton = skeleton_of(config, trust_remote_code)
     plans = check_supported(skeleton)
     text_config = skeleton.config.get_text_config()
@@ -318,7 +322,7 @@ def _graph_account(
     per_layer = []
     for plan, layer in zip(plans, layers, strict=True):
         elements = ACTIVATION_FACTOR * (_layer_linear_elements(layer, top_k) + 2 * hidden) * dtype_bytes
-        recurrent = sum(kind.replay_saved_bytes(mixer) for kind, mixer in plan.kinds)
+        recurrent = sum(kind.replay_saved_bytes(mixer, dtype_bytes, fused_kernels) for kind, mixer in plan.kinds)
         per_layer.append(int(elements) + recurrent)
     kinds = [(kind, mixer, plan.layer_type) for plan in plans for kind, mixer in plan.kinds]
     tiled = [kind.prompt_score_tiles(mixer, text_config, layer_type) for kind, mixer, layer_type in kinds]

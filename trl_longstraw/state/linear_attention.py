@@ -254,5 +254,19 @@ class LinearAttentionState(ConvRecurrentState):
         return True
 
     @classmethod
-    def replay_saved_bytes(cls, mixer):
-        return chunk_kernel_bytes(mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, GATED_DELTANET_CHUNK)
+    def replay_saved_bytes(cls, mixer, dtype_bytes, fused):
+        """fla's chunked kernel (fused): what its forward keeps (L2-normalised q and k with their fp32 reciprocal
+        norms, the fp32 cumulative gate, `A [heads, 64]`, v and beta) and its backward's workspace (`w`, `u`, `v_new`,
+        `dv`, `dw`, per-value-head `dq` and `dk`, the chunk states `h` and `dh`, fp32 partial sums of `dg`), read off
+        fla 0.6's code (the simulation's stand-ins allocate the same); about 1/4 of the torch fallback's at
+        Qwen3.6-27B's widths."""
+        heads, key_dim, value_dim = mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
+        if not fused:
+            return chunk_kernel_bytes(heads, key_dim, value_dim, GATED_DELTANET_CHUNK)
+        k_heads, chunk = mixer.num_k_heads, GATED_DELTANET_CHUNK
+        kept = dtype_bytes * (2 * k_heads * key_dim + heads * (chunk + value_dim + 1)) + FP32_BYTES * (
+            2 * k_heads + heads
+        )
+        workspace = heads * (dtype_bytes * (4 * key_dim + 3 * value_dim) + FP32_BYTES * -(-key_dim // 128))
+        states = -(-2 * dtype_bytes * heads * key_dim * value_dim // chunk)  # h and dh, one per chunk of 64 tokens
+        return kept + workspace + states

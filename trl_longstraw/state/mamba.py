@@ -36,5 +36,7 @@ class Mamba2State(ConvRecurrentState):
         return LayerAccount("mamba2", fixed=ssm + conv, per_chunk=exact)  # exact: one per chunk boundary
 
     @classmethod
-    def replay_saved_bytes(cls, mixer):
+    def replay_saved_bytes(cls, mixer, dtype_bytes, fused):
+        """The torch fallback's fp32 chunk matrices, fused or not: mamba-ssm's kernels keep less (an upper bound for
+        them, not measured)."""
         return chunk_kernel_bytes(mixer.num_heads, mixer.ssm_state_size, mixer.head_dim, mixer.chunk_size)

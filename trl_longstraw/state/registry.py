@@ -156,9 +156,10 @@ class LayerState(abc.ABC):
         return 0
 
     @classmethod
-    def replay_saved_bytes(cls, mixer: nn.Module) -> int:
-        """Bytes per replayed token that this kind's own kernels save for backward beyond the linear maps' inputs and
-        outputs (the chunked recurrent kernels' fp32 chunk matrices); 0 by default."""
+    def replay_saved_bytes(cls, mixer: nn.Module, dtype_bytes: int, fused: bool) -> int:
+        """Bytes per replayed token that this kind's own kernels hold for backward beyond the linear maps' inputs and
+        outputs, with their backward's workspace: `fused`, the GPU's kernels (what a plan is for), else transformers'
+        torch fallbacks (their fp32 chunk matrices: what a CPU run saves); 0 by default."""
         return 0
 
     # -- one captured state ------------------------------------------------------------------------------------------
