@@ -142,6 +142,39 @@ def terms(plan, simulated: SimulationReport) -> dict[str, tuple[float, float]]:
     }
 
 
+def paper_table(rows) -> list[str]:
+    """The scenarios set beside a figure of the paper, and the peak's growth between two scenarios that differ only in
+    their group size."""
+    lines = [
+        "",
+        "## The paper's runs, side by side",
+        "",
+        "| scenario | settings beside the recipe's | simulated peak GiB per rank | roofline s per step | comm GiB per step"
+        + " | the paper |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for scenario, simulated, plan in rows:
+        if scenario.paper:
+            changes = ", ".join(f"{field} = {value}" for field, value in scenario.changes) or "none"
+            lines.append(
+                f"| {scenario.name} | {changes} | {simulated.peak_gib:,.2f} | {simulated.roofline_s:,.0f} | "
+                f"{simulated.communication_gib:,.1f} | {scenario.paper} |"
+            )
+    for scenario, simulated, plan in rows:
+        for other, other_simulated, other_plan in rows:
+            same_run = (scenario.recipe, scenario.prompt_tokens, scenario.device, scenario.gpus) == (
+                other.recipe,
+                other.prompt_tokens,
+                other.device,
+                other.gpus,
+            )
+            if same_run and plan.setup.group_size < other_plan.setup.group_size:
+                growth = other_simulated.peak_gib - simulated.peak_gib
+                groups = f"G = {plan.setup.group_size} ({scenario.name}) to G = {other_plan.setup.group_size}"
+                lines += ["", f"Peak growth from {groups}: {growth:+.3f} GiB per rank ({growth * GIB / 1e9:+.3f} GB)."]
+    return lines
+
+
 def render(results: list[dict]) -> str:
     lines = [
         "# The simulation at scale",
@@ -170,6 +203,7 @@ def render(results: list[dict]) -> str:
             f"{simulated.peak_gib:,.2f} | {plan.device_bytes / GIB:,.2f} | {plan.device_bytes / GIB / simulated.peak_gib:.2f}"
             f" | {simulated.roofline_s:,.0f} | {simulated.communication_gib:,.1f} | {simulated.wall_s:,.0f} |"
         )
+    lines += paper_table(rows)
     lines += [
         "",
         "## The plan against the simulation, term by term",

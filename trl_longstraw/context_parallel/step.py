@@ -3,7 +3,7 @@
 In a capture (and in the exact-mode recompute, which runs the same steps in reverse) every rank of the CP group runs its
 chunk of the step through the same layer at the same time (`sharding.py`). A query of the step reads the pages of
 earlier steps, which every rank holds a share of, the step's earlier chunks, and its own chunk causally. Each rank
-computes, after one all-gather of the step's queries, keys and values (one chunk per rank, never a rank's pages):
+computes, from the step's queries, keys and values all-gathered (one chunk per rank, never a rank's pages):
 
 - every query of the step over its pages (before the step),
 - its own queries over its own chunk, causally (with the attention sinks, counted once),
@@ -18,10 +18,11 @@ The partials go to their queries' ranks (all-to-all) and are merged by log-sum-e
 go through in `cp` pieces (`StepCall.pieces`): each piece's queries are gathered, and its partials computed and
 exchanged, on their own (the keys and values once per step), so a rank never holds every rank's queries and partials
 at once: at 2M tokens that is tens of GiB per layer for MLA's 64 heads. A rank's own queries over its own chunk stay
-where they are, whole (the fused kernels take a square causal block, not a piece of one). The backward is the same work in reverse (the ring-attention identity: a key block's gradients need only the merged output
-and log-sum-exp): the step's output gradients, outputs and log-sum-exps are all-gathered, each rank back-propagates the
-partials it computed, the query gradients go back to the queries' ranks and the gathered keys' and values' gradients
-to the chunks' ranks (all-to-all each); the pages get theirs where they live.
+where they are, whole (the fused kernels take a square causal block, not a piece of one). The backward is the same
+work in reverse (the ring-attention identity: a key block's gradients need only the merged output and log-sum-exp):
+piece by piece, the output gradients, outputs and log-sum-exps are all-gathered, each rank back-propagates the partials
+it computed and the query gradients go back to the queries' ranks; then the gathered keys' and values' gradients go to
+the chunks' ranks (all-to-all each); the pages get theirs where they live.
 
 Communication (elements each rank sends to each other rank, `COMMUNICATION`), per layer, for `n` tokens (a chunk of
 the step, padded to the step's longest, or a rank's rows), `heads` query heads of width `d`, `kv` key heads, value width
