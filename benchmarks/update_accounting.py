@@ -39,17 +39,8 @@ from trl_longstraw.accounting import UpdateAccount, UpdateSetup, update_account
 from trl_longstraw.plan import Plan, plan_run, recipe_plan_inputs
 
 ARCHITECTURES = HERE.parent / "configs" / "architectures"
-H200_USABLE_GIB = 131  # 141 GB of HBM3e, about 131 GiB usable by CUDA
-GLM5_TARGETS = (
-    "q_a_proj",
-    "q_b_proj",
-    "kv_a_proj_with_mqa",
-    "kv_b_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)
+H200_USABLE_GIB = 139  # 141 GB of HBM3e: CUDA reports about 140 GiB, about 139 GiB free to a process after its context
+GLM5_RECIPE = HERE.parent / "configs" / "glm5_lora_fsdp2_cp8.yaml"
 
 
 def rows(prompt_tokens: int, completion_tokens: int, group_size: int) -> list[tuple[str, str, UpdateSetup]]:
@@ -67,17 +58,9 @@ def rows(prompt_tokens: int, completion_tokens: int, group_size: int) -> list[tu
         prefill_chunk_size=16384,
         attention_chunk_size=8192,
     )
-    glm = UpdateSetup(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        group_size=group_size,
-        lora_rank=8,
-        lora_targets=GLM5_TARGETS,
-        state_device="cpu",
-        activation_checkpointing=True,
-        prefill_chunk_size=8192,
-        attention_chunk_size=8192,
-    )
+    # the recipe's own LoRA scope, chunk sizes and placement
+    recipe = recipe_plan_inputs(GLM5_RECIPE, prompt_tokens)[2]
+    glm = dataclasses.replace(recipe, completion_tokens=completion_tokens, group_size=group_size)
     return [
         ("qwen3_6_27b", "NF4 QLoRA r16 all-linear, fp8 state, checkpointing", qwen),
         (
@@ -105,16 +88,24 @@ def verdict(account: UpdateAccount) -> str:
     return f"does not fit (>= {math.ceil(device / H200_USABLE_GIB)} H200s of memory)"
 
 
+def working_set_cell(account: UpdateAccount) -> str:
+    """The working set and which graph it is, with PEFT's merged expert stack where LoRA adapts fused experts."""
+    work = account.working_set
+    which = "replay" if work is account.replay else "capture chunk"
+    if account.merge_check:
+        which += " + merged expert stack"
+    return f"{gib(work.bytes + account.merge_check)} ({which})"
+
+
 def table_row(name: str, label: str, account: UpdateAccount) -> str:
     setup = account.setup
     where = "host" if setup.state_device == "cpu" else "device"
     state_dtype = "fp8 pages" if setup.state_dtype == "float8_e4m3fn" else "model dtype"
     work = account.working_set
-    which = "replay" if work is account.replay else "capture chunk"
     lora = account.lora.bytes if account.lora else 0
     return (
         f"| {name} | {label} | {gib(account.weights.bytes)} | {gib(lora)} | "
-        f"{gib(account.state_bytes)} ({state_dtype}, {where}) | {gib(work.bytes)} ({which}) | "
+        f"{gib(account.state_bytes)} ({state_dtype}, {where}) | {working_set_cell(account)} | "
         f"{gib(work.indexer)} | **{gib(account.device_bytes)}** | {gib(account.host_bytes)} | {verdict(account)} |"
     )
 
@@ -141,6 +132,10 @@ def breakdown(name: str, label: str, account: UpdateAccount) -> str:
             if field.name != "tokens" and getattr(graph, field.name)
         )
         lines.append(f"  {graph_name}, {graph.tokens:,} tokens: {gib(graph.bytes)} GiB = {terms}")
+    if account.merge_check:
+        lines.append(
+            f"  merged expert stack, once per forward (PEFT's parametrization check): {gib(account.merge_check)} GiB"
+        )
     lines.append(f"  group scalars (G x R fp32 x 8): {account.group_scalars / 2**20:.2f} MiB")
     setup = account.setup
     on_device = account.state_bytes if setup.state_device == "device" else 0
@@ -168,8 +163,6 @@ def rank_row(name: str, label: str, plan: Plan) -> str:
     account, cp = plan.account, plan.context_parallel
     setup = account.setup
     lora = account.lora.bytes if account.lora else 0
-    work = account.working_set
-    which = "replay" if work is account.replay else "capture chunk"
     where = "" if setup.state_device == "device" else ", host"
     if plan.refused_under_cp:
         fits = f"refused under CP ({', '.join(plan.refused_under_cp)})"
@@ -179,7 +172,7 @@ def rank_row(name: str, label: str, plan: Plan) -> str:
     return (
         f"| {name} | {label} | {cp} | {setup.prompt_tokens:,} | {gib(account.weights.bytes)} | {gib(lora)} | "
         f"{gib(account.state_bytes)} | {gib(plan.sharded_state)}{where} | {gib(plan.replicated_state)}{where} | "
-        f"{gib(work.bytes)} ({which}) | **{gib(plan.device_bytes)}** | {fits} |"
+        f"{working_set_cell(account)} | **{gib(plan.device_bytes)}** | {fits} |"
     )
 
 

@@ -151,6 +151,19 @@ def test_lora_parameter_count_is_what_peft_adds_to_the_real_model(family, target
     assert account.bytes == 16 * trainable  # fp32 weight, gradient, exp_avg, exp_avg_sq
 
 
+def test_lora_on_fused_experts_counts_the_merged_stack_peft_checks():
+    peft = pytest.importorskip("peft")
+    config = tiny_config("glm_moe_dsa")
+    on_experts = lora_account(config, rank=4, target_modules=["kv_b_proj", "gate_proj", "up_proj", "down_proj"])
+    model = peft.get_peft_model(
+        build_model("glm_moe_dsa"), peft.LoraConfig(r=4, target_modules=["gate_proj", "up_proj"])
+    )
+    experts = next(m for m in model.modules() if type(m).__name__.endswith("Experts"))
+    assert on_experts.largest_fused_target == experts.gate_up_proj.numel()
+    assert on_experts.merge_check_bytes(2) == 2 * on_experts.largest_fused_target
+    assert lora_account(config, rank=4, target_modules=["kv_b_proj"]).merge_check_bytes(2) == 0
+
+
 def test_lora_on_every_linear_map_of_a_dense_model_is_rank_times_in_plus_out():
     config = tiny_config("qwen3")
     hidden, heads, kv_heads, head_dim = config.hidden_size, 4, 2, 16

@@ -11,6 +11,7 @@ process, as `trl-longstraw plan --simulate` runs it.
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ import torch.multiprocessing as mp
 
 from trl_longstraw.accounting import UpdateSetup
 from trl_longstraw.embedded import tiny_config
-from trl_longstraw.plan import load_model_config
+from trl_longstraw.plan import load_model_config, recipe_plan_inputs
 from trl_longstraw.simulation import busiest_rank, run_simulations
 from trl_longstraw.simulation.update import SimulationSpec, run
 
@@ -27,6 +28,7 @@ FAMILIES = {"dense": "qwen3", "hybrid": "qwen3_5", "mla_dsa_moe": "glm_moe_dsa"}
 MODES = ("detach", "exact")
 TOLERANCE = 0.05  # the issue's bound; measured: equal to the byte, the weights' build aside (docs/simulation.md)
 SETUP_PHASES = ("weights", "optimizer_state")
+GLM5_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "glm5_lora_fsdp2_cp8.yaml"
 
 
 def validation_spec(family: str, mode: str, fake: bool, context_parallel=1, weight_shards=1, rank=0, sample=2):
@@ -199,16 +201,7 @@ def glm5_at_full_width_on_64_ranks() -> SimulationSpec:
     config.num_hidden_layers = 4
     for per_layer in ("layer_types", "mlp_layer_types", "indexer_types"):
         setattr(config, per_layer, getattr(config, per_layer)[:4])
-    targets = (
-        "q_a_proj",
-        "q_b_proj",
-        "kv_a_proj_with_mqa",
-        "kv_b_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    )
+    targets = recipe_plan_inputs(GLM5_RECIPE, 8193)[2].lora_targets
     setup = UpdateSetup(
         prompt_tokens=8193,
         completion_tokens=32,

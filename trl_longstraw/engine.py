@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .attention import ATTENTION_IMPLEMENTATION, STATE_KWARG, register_attention
+from .experts import EXPERTS_IMPLEMENTATION, lora_experts, register_experts
 from .load_balancing import MoeRouting, RouterLoad, recorded_router_logits
 from .loss import member_backward
 from .state import PromptState, StateAccess, UnpreparedModelError, plan_layers
@@ -99,9 +100,14 @@ def _unsignalled_parameters(model: nn.Module) -> set[int]:
 
 def prepare_model(model: nn.Module) -> nn.Module:
     """Route `model`'s attention through LongStraw (the registered `longstraw` implementation; SDPA or the model's
-    own eager attention when a forward carries no prompt state). Idempotent; the trainer does it for you."""
+    own eager attention when a forward carries no prompt state) and, where PEFT's LoRA adapts fused MoE experts, its
+    experts through LongStraw's (LoRA applied to the routed tokens, never merged into the expert stack: experts.py).
+    Idempotent; the trainer does it for you."""
     register_attention()
     model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
+    if lora_experts(model):
+        register_experts()
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
     return model
 
 

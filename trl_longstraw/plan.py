@@ -169,13 +169,15 @@ class Plan:
             "prompt state": self.state_on_device,
             "capture working set (one chunk)": account.capture.bytes,
             "replay working set (one member)": account.replay.bytes,
+            "merged expert stack, once per forward (PEFT's check)": account.merge_check,
             "rollout (decoded rows of the generation batch)": account.rollout_bytes(0),
             "group scalars": account.group_scalars,
         }
 
     @property
     def update_peak(self) -> int:
-        return self.state_on_device + self.account.working_set.bytes + self.account.group_scalars
+        account = self.account
+        return self.state_on_device + account.working_set.bytes + account.merge_check + account.group_scalars
 
     @property
     def rollout_peak(self) -> int:

@@ -31,7 +31,6 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
 from .architectures import check_supported, longrope_switch_length, model_skeleton
-from .attention import ATTENTION_IMPLEMENTATION, register_attention
 from .config import LongStrawGRPOConfig
 from .context_parallel import (
     ContextParallelEngine,
@@ -44,7 +43,7 @@ from .context_parallel import (
     share_leader_inputs,
 )
 from .distributed import average_gradients
-from .engine import stock_attention, weights_version
+from .engine import prepare_model, stock_attention, weights_version
 from .faults import (
     OutputFiniteness,
     collective,
@@ -345,10 +344,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             self.is_distributed_loading_by_transformers = True
         # TRL adds the MoE load-balancing loss over every token of prompt + completion: summed apart (load_balancing.py)
         routing = moe_routing(self._causal_lm(self.model)) if self.aux_loss_enabled else None
-        register_attention()
         for policy_or_ref in (self._causal_lm(self.model), self.ref_model):
             if policy_or_ref is not None:
-                self.accelerator.unwrap_model(policy_or_ref).set_attn_implementation(ATTENTION_IMPLEMENTATION)
+                prepare_model(self.accelerator.unwrap_model(policy_or_ref))
         # Pre-flight (preflight.py): every layer reaches the prompt state, the scores from a capture are the model's
         # own, and how the model numbers positions.
         check_capture_matches_own_forward(self._causal_lm(self.model))

@@ -150,10 +150,18 @@ class LoraAccount:
     rank: int
     params: int
     value_bytes: int = FP32_BYTES
+    largest_fused_target: int = 0  # elements of the largest fused expert tensor the adapter targets (0: none)
 
     @property
     def bytes(self) -> int:
         return 4 * self.params * self.value_bytes
+
+    def merge_check_bytes(self, dtype_bytes: int) -> int:
+        """What each forward through LoRA-adapted fused experts allocates for a moment beyond its activations: PEFT
+        registers its parametrization per forward, and torch's registration check evaluates it once, the merged
+        stack of the largest adapted tensor, freed at once. LongStraw's experts apply the LoRA to the routed tokens
+        and keep no merged stack after it (experts.py)."""
+        return self.largest_fused_target * dtype_bytes
 
 
 def lora_account(
@@ -174,13 +182,15 @@ def lora_account(
     """
     import peft
     import torch
+    from peft.tuners.lora.layer import ParamWrapper
 
     skeleton = model_skeleton(config, trust_remote_code=trust_remote_code)
     targets = target_modules if target_modules is None or isinstance(target_modules, str) else list(target_modules)
     with torch.device("meta"):
         adapted = peft.get_peft_model(skeleton, peft.LoraConfig(r=rank, target_modules=targets))
     trainable, _ = adapted.get_nb_trainable_parameters()
-    return LoraAccount(rank, trainable, value_bytes)
+    fused = [wrapper.get_param().numel() for wrapper in adapted.modules() if isinstance(wrapper, ParamWrapper)]
+    return LoraAccount(rank, trainable, value_bytes, largest_fused_target=max(fused, default=0))
 
 
 def _layer_linear_elements(layer: nn.Module, experts_per_token: int) -> int:
@@ -408,6 +418,11 @@ class UpdateAccount:
     def working_set(self) -> GraphAccount:
         return max(self.replay, self.capture, key=lambda graph: graph.bytes)
 
+    @property
+    def merge_check(self) -> int:
+        """The merged expert stack PEFT's parametrization check allocates for a moment per forward (`LoraAccount`)."""
+        return self.lora.merge_check_bytes(self.setup.dtype_bytes) if self.lora else 0
+
     def rollout_bytes(self, state_bytes: int) -> int:
         """The rollout's peak beyond weights and adapters: one prompt state (`state_bytes` of it on the device) per
         distinct prompt of the generation batch, alive together while the rows decode in lockstep, and each prompt's
@@ -418,7 +433,7 @@ class UpdateAccount:
     def device_total(self, state_bytes: int) -> int:
         """The device's peak with `state_bytes` of one prompt state on it: the update's or the rollout's."""
         lora = self.lora.bytes if self.lora else 0
-        update = state_bytes + self.working_set.bytes + self.group_scalars
+        update = state_bytes + self.working_set.bytes + self.merge_check + self.group_scalars
         return self.weights.bytes + lora + max(update, self.rollout_bytes(state_bytes))
 
     @property
