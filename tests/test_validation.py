@@ -27,6 +27,17 @@ from .conftest import accelerate_launch_env, make_trainer, synthetic_inputs, tra
             5.0,
             "neftune_noise_alpha=5.0: NEFTune adds fresh noise .* Set neftune_noise_alpha=None",
         ),
+        ("rollout_from_prompt_state", "yes", "rollout_from_prompt_state='yes' must be True or False or None (unset)"),
+        ("shard_weights", "true", "shard_weights='true' must be True or False."),
+        ("prefill_chunk_size", True, "prefill_chunk_size=True must be a positive integer"),
+        ("context_parallel_size", 2.0, "context_parallel_size=2.0 must be a positive integer, or None"),
+        (
+            "memory_plan_prompt_length",
+            1.5e6,
+            "memory_plan_prompt_length=1500000.0 must be a positive integer, or None",
+        ),
+        ("shard_layer_classes", "Qwen3DecoderLayer", "shard_layer_classes='Qwen3DecoderLayer' must be a list"),
+        ("fp16", True, "fp16=True is not supported: .* Use bf16=True."),
     ],
 )
 def test_config_rejects_bad_fields(field, value, message, tmp_path):
@@ -45,6 +56,13 @@ def test_optimizers_that_step_inside_the_backward_are_refused(optim, tmp_path):
 def test_fp8_prompt_state_with_the_exact_gradient_is_refused(tmp_path):
     with pytest.raises(ValueError, match="prompt_state_dtype='float8_e4m3fn' with prompt_gradient='exact'"):
         trainer_args(LongStrawGRPOConfig, tmp_path, prompt_state_dtype="float8_e4m3fn", prompt_gradient="exact")
+
+
+def test_a_batch_of_partial_groups_names_the_batch_size_and_the_fix(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"per_device_train_batch_size=4 x 1 process\(es\) x steps_per_generation=1 = 4 "
+    ):
+        trainer_args(LongStrawGRPOConfig, tmp_path, per_device_train_batch_size=4, num_generations=3)
 
 
 def test_stock_config_is_refused(tmp_path, tokenizer, prompt_dataset, fresh_model):

@@ -24,6 +24,8 @@ OPTIMIZERS_THAT_STEP_INSIDE_BACKWARD = (
 )
 
 
+FP16_REFUSED = "fp16=True is not supported: the per-member backward bypasses the fp16 loss scaler. Use bf16=True."
+
 # Set once a config took FSDP2 from an accelerate launch (`ACCELERATE_USE_FSDP`, which it then turns off)
 FSDP_TAKEN_FROM_ACCELERATE = "LONGSTRAW_FSDP_FROM_ACCELERATE"
 
@@ -284,14 +286,58 @@ class LongStrawGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._validate_types()
+        if self.fp16:
+            raise ValueError(FP16_REFUSED)
         if self.activation_checkpointing is None and self.gradient_checkpointing is None:
             self.activation_checkpointing = False
         self._adopt_accelerate_context_parallel_size()
         self._validate_longstraw_fields()
-        super().__post_init__()
+        try:
+            super().__post_init__()
+        except ValueError as error:  # TRL's message names neither the field to change nor the fix
+            if "must be divisible by num_generations" not in str(error):
+                raise
+            raise ValueError(self._whole_groups_message()) from error
         self._adopt_accelerate_fsdp2()
         self._validate_context_parallel_batches()
         self._validate_context_parallel_statistics()
+
+    def _validate_types(self) -> None:
+        """Each LongStraw field's type, before anything is derived from it (a YAML `yes` or a string `"true"` given
+        from Python would otherwise pass as truthy)."""
+        flags = ("shard_weights", "log_phase_metrics", "sync_phase_metrics", "disable_dropout")
+        optional_flags = ("rollout_from_prompt_state", "activation_checkpointing", "gradient_checkpointing")
+        for name in flags + optional_flags:
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (value is None and name in optional_flags):
+                unset = " or None (unset)" if name in optional_flags else ""
+                raise ValueError(f"{name}={value!r} must be True or False{unset}.")
+        integers = ("prefill_chunk_size", "attention_chunk_size")
+        optional_integers = ("context_parallel_size", "memory_plan_prompt_length")
+        for name in integers + optional_integers:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (
+                isinstance(value, int) or (value is None and name in optional_integers)
+            ):
+                unset = ", or None (unset)" if name in optional_integers else ""
+                raise ValueError(f"{name}={value!r} must be a positive integer{unset}.")
+        classes = self.shard_layer_classes
+        if classes is not None and (isinstance(classes, str) or not all(isinstance(c, str) for c in classes)):
+            raise ValueError(
+                f"shard_layer_classes={classes!r} must be a list of module class names, e.g. ['Qwen3DecoderLayer']."
+            )
+
+    def _whole_groups_message(self) -> str:
+        processes = self.generation_batch_size // (self.per_device_train_batch_size * self.steps_per_generation)
+        return (
+            f"per_device_train_batch_size={self.per_device_train_batch_size} x {processes} process(es) x "
+            f"steps_per_generation={self.steps_per_generation} = {self.generation_batch_size} completions per "
+            f"generation, which is not a multiple of num_generations={self.num_generations}: every prompt's group of "
+            f"{self.num_generations} completions must be generated whole. Make per_device_train_batch_size (or "
+            f"steps_per_generation) such that the product is a multiple of {self.num_generations}, e.g. "
+            f"per_device_train_batch_size={self.num_generations}."
+        )
 
     def _validate_context_parallel_batches(self) -> None:
         """The ranks of a CP group draw one rank's block of a generation batch (`context_parallel.SharedRowsSampler`)

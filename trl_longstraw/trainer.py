@@ -31,7 +31,7 @@ from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
 from .architectures import check_supported, longrope_switch_length, model_skeleton
-from .config import LongStrawGRPOConfig
+from .config import FP16_REFUSED, LongStrawGRPOConfig
 from .context_parallel import (
     ContextParallelEngine,
     SharedRowsSampler,
@@ -286,10 +286,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 f"args is a {type(args).__name__}; LongStrawGRPOTrainer needs a LongStrawGRPOConfig: build it with "
                 "the arguments you gave GRPOConfig (it accepts every GRPOConfig field)."
             )
-        if args.fp16:
-            raise ValueError(
-                "fp16=True is not supported: the per-member backward bypasses the fp16 loss scaler. Use bf16=True."
-            )
+        if args.fp16:  # set after the config was built
+            raise ValueError(FP16_REFUSED)
         check_adapter(kwargs.get("peft_config"))
         if isinstance(model, str):  # fail on an unsupported architecture before loading any weights
             init_kwargs = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
