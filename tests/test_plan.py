@@ -199,6 +199,15 @@ def test_warn_mode_builds_the_trainer_with_its_plan(fresh_model, tokenizer, prom
     assert trainer._memory_plan.setup.prompt_tokens == 100_000 and trainer._memory_plan.setup.lora_rank is None
 
 
+def test_the_plan_at_construction_reaches_the_console(fresh_model, tokenizer, prompt_dataset, tmp_path, capsys):
+    make_trainer(
+        LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path, memory_plan_prompt_length=1024
+    )
+    assert re.search(
+        r"(?s)LongStraw memory plan \(memory_plan_prompt_length=1024\):.*per device", capsys.readouterr().out
+    )
+
+
 def test_no_plan_without_a_prompt_length(fresh_model, tokenizer, prompt_dataset, tmp_path):
     trainer = make_trainer(LongStrawGRPOTrainer, fresh_model(), tokenizer, prompt_dataset, tmp_path)
     assert trainer._memory_plan is None

@@ -244,7 +244,7 @@ class LongStrawGRPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Usable memory per device for the plan, in GiB. Unset: the total memory of the CUDA device this "
-            "process trains on; on a CPU-only machine the plan is logged but not checked."
+            "process trains on; on a CPU-only machine the plan is printed but not checked."
         },
     )
     log_phase_metrics: bool = field(

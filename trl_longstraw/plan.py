@@ -433,8 +433,8 @@ def trainer_setup(config: PretrainedConfig, model, args, peft_config=None, quant
 def plan_at_construction(
     config: PretrainedConfig, model, args, peft_config=None, quantization_config=None
 ) -> Plan | None:
-    """The trainer's pre-flight plan (`LongStrawGRPOConfig.memory_plan*`): None when not asked for; logged once;
-    raises `MemoryPlanError` (or warns) when it does not fit the device."""
+    """The trainer's pre-flight plan (`LongStrawGRPOConfig.memory_plan*`): None when not asked for; printed on the
+    main process's console when it fits; raises `MemoryPlanError` (or warns, on every process) when it does not."""
     if args.memory_plan == "off" or args.memory_plan_prompt_length is None:
         return None
     gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else None
@@ -456,7 +456,8 @@ def plan_at_construction(
     text = format_plan(plan)
     if args.prompt_gradient == "exact":
         text += "\n(prompt_gradient='exact': its prompt backward is not modelled; the plan is a lower bound.)"
-    logger.info("LongStraw memory plan (memory_plan_prompt_length=%d):\n%s", args.memory_plan_prompt_length, text)
+    if plan.fits is not False and int(os.environ.get("RANK", "0")) == 0:  # the main process's console, once
+        print(f"LongStraw memory plan (memory_plan_prompt_length={args.memory_plan_prompt_length}):\n{text}")
     if plan.fits is False:
         message = (
             f"The run does not fit the device by its memory plan (memory_plan_prompt_length="
