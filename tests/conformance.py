@@ -13,9 +13,10 @@ the rules are the constants below, applied to whichever of the fields the config
 
 A type is `verified` (with its errors; `verified, exact mode` where transformers' own cached forward disagrees with
 its full forward, so that the detached reference is no reference), `refused` (with the reason: by the registry on the tiny config, or by the
-trainer's pre-flight). Anything else fails `tests/test_conformance.py`: `wrong` (LongStraw differs from stock) and
-`not built` (transformers itself could not build the tiny config or run its own forward on it: the shrinking must fit
-every accepted type). `benchmarks/conformance.py` writes the table.
+trainer's pre-flight). Otherwise `wrong` (LongStraw differs from stock) or `not built` (transformers itself could not
+build the tiny config or run its own forward on it: the shrinking must fit every accepted type).
+`benchmarks/conformance.py` writes the table; `tests/test_conformance.py` fails on any status other than the one the
+table records.
 """
 
 from __future__ import annotations
