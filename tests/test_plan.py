@@ -6,11 +6,14 @@ weights load."""
 import dataclasses
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
 from transformers import PreTrainedModel
 
+import trl_longstraw
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer, cli
 from trl_longstraw.accounting import UpdateSetup, prompt_state_bytes, replay_graph_account, update_account
 from trl_longstraw.embedded import FAMILIES, build_model, tiny_config
@@ -168,6 +171,39 @@ def test_bad_flags_are_refused_before_any_config_is_read(flags, message, monkeyp
         cli.main(["plan", "qwen3_8b", *flags])
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_the_scripts_defaults_are_the_trainers():
+    fields = {field.name: field.default for field in dataclasses.fields(LongStrawGRPOConfig)}
+    assert cli.TRAINER_DEFAULTS == {name: fields[name] for name in cli.TRAINER_DEFAULTS}
+
+
+def test_the_script_answers_help_and_version_without_importing_torch():
+    script = (
+        "import contextlib, io, sys\n"
+        "from trl_longstraw import cli\n"
+        "for flags in (['--version'], ['plan', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        cli.main(flags)\n"
+        "print(sorted({'torch', 'transformers', 'trl'} & set(sys.modules)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]" and done.stderr == ""
+
+
+def test_the_version_is_the_packages(capsys):
+    with pytest.raises(SystemExit) as exit_status:
+        cli.main(["--version"])
+    assert exit_status.value.code == 0
+    assert capsys.readouterr().out.strip() == f"trl-longstraw {trl_longstraw.__version__}"
+
+
+def test_a_plan_prints_nothing_on_stderr():
+    flags = ["plan", "qwen3_8b", "--prompt-length", "4096", "--gpu-memory", "80"]
+    script = f"import sys; from trl_longstraw import cli; sys.exit(cli.main({flags!r}))"
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True)
+    assert done.returncode == 0 and "FITS" in done.stdout
+    assert done.stderr == ""
 
 
 def test_a_run_that_does_not_fit_is_stopped_before_any_weights_load(tokenizer, prompt_dataset, tmp_path, monkeypatch):

@@ -6,29 +6,36 @@ input, 3 when the simulation failed."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import logging
 import sys
 import warnings
 
-from trl import GRPOConfig
-
-from .accounting import UpdateSetup
-from .config import LongStrawGRPOConfig
+from . import __version__
 
 GIB = 1024**3
 
-
-def _default(config_class, name: str):
-    """A config field's default: the planner's flags default to what the trainer would use."""
-    return next(field.default for field in dataclasses.fields(config_class) if field.name == name)
+# The trainer's defaults (`LongStrawGRPOConfig`, with TRL's `GRPOConfig` fields), written out so that `--help` and
+# `--version` import neither torch nor TRL; tests/test_plan.py checks each against the config.
+TRAINER_DEFAULTS = {
+    "num_generations": 8,
+    "max_completion_length": 512,
+    "per_device_train_batch_size": 8,
+    "beta": 0.0,
+    "num_iterations": 1,
+    "prefill_chunk_size": 1024,
+    "attention_chunk_size": 4096,
+    "prompt_gradient": "detach",
+}
 
 
 def plan_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "plan",
         help="a run's memory per device, and the settings that would fit",
-        description="A LongStraw run's memory per device (detach mode), from a model config: no weights are loaded.",
+        description="A LongStraw run's memory per device (detach mode), from a model config: no weights are loaded. "
+        "Run settings default to the trainer's (LongStrawGRPOConfig).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
         "model",
@@ -43,23 +50,33 @@ def plan_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--prompt-length", type=int, required=True, help="prompt tokens (P)")
     parser.add_argument(
-        "--num-generations", type=int, default=_default(GRPOConfig, "num_generations"), help="completions per prompt"
+        "--num-generations", type=int, default=TRAINER_DEFAULTS["num_generations"], help="completions per prompt"
     )
     parser.add_argument(
-        "--max-completion-length", type=int, default=_default(GRPOConfig, "max_completion_length"), help="tokens"
+        "--max-completion-length", type=int, default=TRAINER_DEFAULTS["max_completion_length"], help="tokens"
     )
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank; 0: full fine-tuning")
-    parser.add_argument("--lora-target-modules", nargs="+", default=["all-linear"])
+    parser.add_argument("--lora-target-modules", nargs="+", default=["all-linear"], help="PEFT's target_modules")
     parser.add_argument("--load-in-4bit", action="store_true", help="NF4 base weights (QLoRA)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    parser.add_argument("--prompt-state-dtype", choices=("auto", "float8_e4m3fn"), default="auto")
-    parser.add_argument("--prompt-state-device", choices=("device", "cpu"), default="device")
-    parser.add_argument("--prefill-chunk-size", type=int, default=_default(LongStrawGRPOConfig, "prefill_chunk_size"))
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="weights")
+    parser.add_argument("--prompt-state-dtype", choices=("auto", "float8_e4m3fn"), default="auto", help="its pages")
     parser.add_argument(
-        "--attention-chunk-size", type=int, default=_default(LongStrawGRPOConfig, "attention_chunk_size")
+        "--prompt-state-device", choices=("device", "cpu"), default="device", help="where the prompt state lives"
+    )
+    parser.add_argument(
+        "--prefill-chunk-size",
+        type=int,
+        default=TRAINER_DEFAULTS["prefill_chunk_size"],
+        help="tokens per capture chunk",
+    )
+    parser.add_argument(
+        "--attention-chunk-size",
+        type=int,
+        default=TRAINER_DEFAULTS["attention_chunk_size"],
+        help="prompt keys per attention block",
     )
     parser.add_argument("--activation-checkpointing", action="store_true", help="checkpoint the replay's layers")
-    parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--context-parallel-size", type=int, default=1, help="ranks sharing one prompt (CP)")
     parser.add_argument(
         "--weight-shards",
         type=int,
@@ -69,7 +86,7 @@ def plan_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--per-device-train-batch-size",
         type=int,
-        default=_default(GRPOConfig, "per_device_train_batch_size"),
+        default=TRAINER_DEFAULTS["per_device_train_batch_size"],
         help="rows per micro-batch (stock back-propagates them at once)",
     )
     parser.add_argument("--gpus", type=int, default=None, help="devices available (bounds the CP suggestion)")
@@ -77,12 +94,14 @@ def plan_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--prompt-gradient",
         choices=("detach", "exact"),
-        default=_default(LongStrawGRPOConfig, "prompt_gradient"),
+        default=TRAINER_DEFAULTS["prompt_gradient"],
         help="the plan models detach mode (exact: a lower bound); --simulate runs either",
     )
-    parser.add_argument("--beta", type=float, default=_default(GRPOConfig, "beta"), help="KL coefficient (reference)")
-    parser.add_argument("--num-iterations", type=int, default=_default(GRPOConfig, "num_iterations"))
-    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--beta", type=float, default=TRAINER_DEFAULTS["beta"], help="KL coefficient (reference)")
+    parser.add_argument(
+        "--num-iterations", type=int, default=TRAINER_DEFAULTS["num_iterations"], help="updates per generation"
+    )
+    parser.add_argument("--trust-remote-code", action="store_true", help="for a model with its own code")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     simulation = parser.add_argument_group(
         "simulation", "run one real update at full size on fake CUDA tensors (docs/simulation.md)"
@@ -137,6 +156,9 @@ def check_plan_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    # bitsandbytes warns at import, on a CPU with AVX512-BF16, that it could not fetch an optional kernel from the Hub:
+    # nothing the plan uses
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     from .plan import ModelSourceError, format_plan, load_model_config, plan_run, recipe_plan_inputs
 
     weight_shards = args.weight_shards
@@ -209,7 +231,9 @@ def run_plan(args: argparse.Namespace) -> int:
     return 1 if plan.fits is False else 0
 
 
-def setup_from_flags(args: argparse.Namespace) -> UpdateSetup:
+def setup_from_flags(args: argparse.Namespace):
+    from .accounting import UpdateSetup
+
     targets = args.lora_target_modules
     return UpdateSetup(
         prompt_tokens=args.prompt_length,
@@ -232,6 +256,7 @@ def setup_from_flags(args: argparse.Namespace) -> UpdateSetup:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trl-longstraw", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     plan = plan_parser(subparsers)
     args = parser.parse_args(argv)
