@@ -165,6 +165,24 @@ def test_supported_models_lists_the_readmes_families_table():
     )
 
 
+def test_the_conformance_counts_are_the_tables():
+    """README.md and docs/supported-models.md quote benchmarks/results/conformance.md's counts: one source."""
+    table = (REPOSITORY / "benchmarks" / "results" / "conformance.md").read_text()
+    counts = {
+        status: int(n)
+        for status, n in re.findall(r"^\| (verified|refused|verified, exact mode) \| (\d+) \|", table, re.MULTILINE)
+    }
+    accepted = sum(counts.values())
+    readme = " ".join(README.read_text().split())
+    assert f"({accepted} of transformers' causal LMs)" in readme
+    assert f"{counts['verified']} verified, {counts['verified, exact mode']} verified in exact mode" in readme
+    assert f"and {counts['refused']} refused" in readme
+    supported = " ".join((DOCS / "supported-models.md").read_text().split())
+    assert f"({accepted} accepted types): {counts['verified']} verified" in supported
+    assert f"{counts['verified, exact mode']} verified in exact mode only" in supported
+    assert f"{counts['refused']} refused" in supported
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Links and wording
 # ---------------------------------------------------------------------------------------------------------------------
