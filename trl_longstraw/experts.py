@@ -10,7 +10,9 @@ per layer per forward and again per backward, beside the layer FSDP2 gathers (do
 The low-rank update is linear in the input, so it is applied to the routed tokens instead:
 `x @ (W + s A B)^T = x @ W^T + s (x @ B^T) @ A^T` per expert, each product a grouped matmul over the tokens sorted by
 expert (transformers' `grouped_mm` path, reused), the LoRA factors read from PEFT's own parametrization. Nothing the
-size of the expert stack is created, forward or backward; the adapters' values and gradients are PEFT's, and a
+size of the expert stack is kept through the forward or differentiated in the backward (what remains is torch's
+check as PEFT registers the parametrization: it evaluates it once and frees it; the planner counts it). The
+adapters' values and gradients are PEFT's, and a
 forward without an active single adapter (the reference pass with adapters disabled, several adapters, a low-precision
 stack PEFT upcasts) reads the parameter as transformers does.
 
@@ -50,7 +52,7 @@ def _weight_and_factors(
     return getattr(experts, name), None
 
 
-def _grouped_linear(
+def _expert_linear(
     experts: nn.Module, name: str, inputs: torch.Tensor, expert_ids: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
     """`inputs` (sorted by expert: `expert_ids` per row, `offsets` the groups' ends) through each row's expert's
@@ -86,7 +88,7 @@ def longstraw_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """transformers' `grouped_mm_experts_forward` (same routing, gate, weighting and fp32 sum over the top k) with
-    each fused map applied by `_grouped_linear`. Expert parallelism's sentinel rows are not supported: LongStraw
+    each fused map applied by `_expert_linear`. Expert parallelism's sentinel rows are not supported: LongStraw
     shards experts with FSDP2, not EP."""
     if self._is_expert_parallel:
         raise NotImplementedError(
@@ -102,9 +104,9 @@ def longstraw_experts_forward(
     per_expert = torch.histc(counts_input, bins=self.num_experts, min=0, max=self.num_experts - 1)
     offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
 
-    projected = _grouped_linear(self, "gate_up_proj" if self.has_gate else "up_proj", rows, expert_ids, offsets)
+    projected = _expert_linear(self, "gate_up_proj" if self.has_gate else "up_proj", rows, expert_ids, offsets)
     projected = self._apply_gate(projected) if self.has_gate else self.act_fn(projected)
-    projected = _grouped_linear(self, "down_proj", projected, expert_ids, offsets)
+    projected = _expert_linear(self, "down_proj", projected, expert_ids, offsets)
     if self.has_post_expert_norm:
         projected = self.post_expert_norm(projected)
     weighted = projected * top_k_weights.reshape(-1)[order].unsqueeze(-1)
