@@ -163,6 +163,10 @@ def test_the_script_names_an_unreadable_model_and_exits_2(capsys):
         (["--prompt-length", "9", "--context-parallel-size", "4", "--gpus", "2"], "exceeds --gpus 2"),
         (["--prompt-length", "9", "--weight-shards", "0"], "--weight-shards must be at least 1"),
         (["--prompt-length", "9", "--weight-shards", "3", "--gpus", "8"], "does not divide --gpus 8"),
+        (["--prompt-length", "9", "--gpus", "0"], "--gpus must be at least 1, got 0"),
+        (["--prompt-length", "9", "--lora-r", "-4"], "--lora-r must be 0 .* got -4"),
+        (["--prompt-length", "9", "--attention-chunk-size", "0"], "--attention-chunk-size must be at least 1"),
+        (["--prompt-length", "9", "--per-device-train-batch-size", "0"], "--per-device-train-batch-size must be"),
     ],
 )
 def test_bad_flags_are_refused_before_any_config_is_read(flags, message, monkeypatch, capsys):
@@ -170,7 +174,29 @@ def test_bad_flags_are_refused_before_any_config_is_read(flags, message, monkeyp
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["plan", "qwen3_8b", *flags])
     assert exit_info.value.code == 2
-    assert re.search(message, capsys.readouterr().err)
+    error = capsys.readouterr().err
+    assert re.search(message, error) and len(error.splitlines()) == 1  # one line, no usage block
+
+
+def test_a_model_longstraw_does_not_train_exits_2_naming_it(tmp_path, capsys):
+    config = tmp_path / "bloom.json"
+    config.write_text(json.dumps({"model_type": "bloom", "hidden_size": 64, "n_layer": 2, "n_head": 4}))
+    assert cli.main(["plan", str(config), "--prompt-length", "100"]) == 2
+    error = capsys.readouterr().err
+    assert "is not a model LongStraw trains: Layer 0 (BloomBlock" in error and "docs/supported-models.md" in error
+    assert len(error.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "message"), [("a: [1, 2\n", "cannot read the recipe .*: while parsing"), (None, "No such")]
+)
+def test_a_recipe_that_cannot_be_read_exits_2_in_one_line(text, message, tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    if text is not None:
+        recipe.write_text(text)
+    assert cli.main(["plan", "--config", str(recipe), "--prompt-length", "100"]) == 2
+    error = capsys.readouterr().err
+    assert re.search(message, error) and len(error.splitlines()) == 1
 
 
 def test_the_scripts_defaults_are_the_trainers():

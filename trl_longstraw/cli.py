@@ -29,6 +29,13 @@ TRAINER_DEFAULTS = {
 }
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """An argument parser whose errors are one line naming the flag and the fix (exit status 2), not the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def plan_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "plan",
@@ -123,9 +130,21 @@ def check_plan_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
     """Refuse, naming the flag and the fix, what the planner cannot model: before any config is read."""
     if (args.model is None) == (args.config is None):
         parser.error("give a model, or a recipe with --config (not both)")
-    for flag in ("prompt_length", "num_generations", "max_completion_length", "prefill_chunk_size"):
+    positive = (
+        "prompt_length",
+        "num_generations",
+        "max_completion_length",
+        "prefill_chunk_size",
+        "attention_chunk_size",
+        "per_device_train_batch_size",
+    )
+    for flag in positive:
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.lora_r < 0:
+        parser.error(f"--lora-r must be 0 (full fine-tuning) or a LoRA rank, got {args.lora_r}")
+    if args.gpus is not None and args.gpus < 1:
+        parser.error(f"--gpus must be at least 1, got {args.gpus}")
     if args.context_parallel_size < 1:
         parser.error(f"--context-parallel-size must be at least 1, got {args.context_parallel_size}")
     if args.weight_shards < 1:
@@ -159,12 +178,22 @@ def run_plan(args: argparse.Namespace) -> int:
     # bitsandbytes warns at import, on a CPU with AVX512-BF16, that it could not fetch an optional kernel from the Hub:
     # nothing the plan uses
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    import yaml
+
     from .plan import ModelSourceError, format_plan, load_model_config, plan_run, recipe_plan_inputs
+    from .state import UnsupportedModelError
 
     weight_shards = args.weight_shards
     try:
         if args.config is not None:
-            config, name, setup, context_parallel, shards_weights = recipe_plan_inputs(args.config, args.prompt_length)
+            try:
+                config, name, setup, context_parallel, shards_weights = recipe_plan_inputs(
+                    args.config, args.prompt_length
+                )
+            except (OSError, yaml.YAMLError) as error:  # a recipe file that is missing or not YAML: one line
+                raise ModelSourceError(
+                    f"cannot read the recipe {args.config}: {' '.join(str(error).split())}"
+                ) from error
             if weight_shards == 1 and shards_weights:
                 if args.gpus is None:
                     raise ValueError(
@@ -179,18 +208,27 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"trl-longstraw plan: {error}", file=sys.stderr)
         return 2
     budget = None if args.gpu_memory is None else int(args.gpu_memory * GIB)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # transformers' and PEFT's notes while building the meta-device skeleton
-        plan = plan_run(
-            config,
-            setup,
-            context_parallel,
-            budget,
-            args.per_device_train_batch_size,
-            model=name,
-            devices=args.gpus,
-            weight_shards=weight_shards,
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # transformers' and PEFT's notes while building the meta-device skeleton
+            plan = plan_run(
+                config,
+                setup,
+                context_parallel,
+                budget,
+                args.per_device_train_batch_size,
+                model=name,
+                devices=args.gpus,
+                weight_shards=weight_shards,
+            )
+    except UnsupportedModelError as error:
+        reason = str(error).split(" Registered kinds:")[0]
+        print(
+            f"trl-longstraw plan: {name} is not a model LongStraw trains: {reason} The models it trains: "
+            "docs/supported-models.md.",
+            file=sys.stderr,
         )
+        return 2
     simulated = None
     if args.simulate:
         from .simulation import SimulationFailed, simulate
@@ -255,9 +293,9 @@ def setup_from_flags(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="trl-longstraw", description=__doc__)
+    parser = OneLineErrors(prog="trl-longstraw", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=OneLineErrors)
     plan = plan_parser(subparsers)
     args = parser.parse_args(argv)
     check_plan_arguments(plan, args)
