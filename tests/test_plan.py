@@ -18,7 +18,16 @@ from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer, cli
 from trl_longstraw.accounting import UpdateSetup, prompt_state_bytes, replay_graph_account, update_account
 from trl_longstraw.embedded import FAMILIES, build_model, tiny_config
 from trl_longstraw.engine import LongStrawEngine
-from trl_longstraw.plan import GIB, MemoryPlanError, ModelSourceError, load_model_config, plan_run
+from trl_longstraw.plan import (
+    GIB,
+    MemoryPlanError,
+    ModelSourceError,
+    format_plan,
+    load_model_config,
+    plan_run,
+    suggestion_flags,
+    suggestion_yaml,
+)
 
 from .conftest import length_reward, make_trainer, trainer_args
 from .test_accounting import saved_activation_bytes
@@ -75,6 +84,58 @@ def test_every_suggestion_for_a_run_that_does_not_fit_fits_when_planned():
         assert again.fits and again.device_bytes == suggestion["device_bytes"]
 
 
+def replan(config, setup, budget, suggestion):
+    settings = dict(suggestion["settings"])
+    context_parallel = settings.pop("context_parallel_size", 1)
+    settings.pop("shard_weights", None)
+    renamed = {SETUP_FIELDS.get(key, key): value for key, value in settings.items()}
+    return plan_run(
+        config,
+        dataclasses.replace(setup, **renamed),
+        context_parallel,
+        budget,
+        weight_shards=suggestion["weight_shards"],
+    )
+
+
+def test_activation_checkpointing_is_suggested_where_it_fits_alone():
+    config = tiny_config("qwen3")
+    setup = dataclasses.replace(SETUP, activation_checkpointing=False, completion_tokens=4096)
+    checkpointed = plan_run(config, dataclasses.replace(setup, activation_checkpointing=True))
+    plan = plan_run(config, setup, budget=checkpointed.device_bytes)
+    assert plan.fits is False
+    assert {"activation_checkpointing": True} in [suggestion["settings"] for suggestion in plan.suggestions]
+
+
+def test_where_no_single_setting_fits_the_fewest_that_do_together_are_searched(capsys):
+    config = tiny_config("qwen3")
+    setup = dataclasses.replace(LONG_PROMPT, activation_checkpointing=False, completion_tokens=8192)
+    both = {"state_device": "cpu", "activation_checkpointing": True}
+    alone = min(
+        plan_run(config, dataclasses.replace(setup, **{key: value})).device_bytes for key, value in both.items()
+    )
+    budget = (plan_run(config, dataclasses.replace(setup, **both)).device_bytes + alone) // 2
+    plan = plan_run(config, setup, budget=budget, devices=1)
+    assert plan.fits is False and plan.suggestions
+    assert all(len(suggestion["settings"]) == 2 for suggestion in plan.suggestions)  # no single one fits
+    assert plan.suggestions[0]["settings"] == {"prompt_state_device": "cpu", "activation_checkpointing": True}
+    sizes = [suggestion["device_bytes"] for suggestion in plan.suggestions]
+    assert sizes == sorted(sizes)
+    for suggestion in plan.suggestions:
+        assert replan(config, setup, budget, suggestion).device_bytes == suggestion["device_bytes"] <= budget
+    print(format_plan(plan))
+    out = capsys.readouterr().out
+    assert "No single setting fits; together:" in out
+    assert "--prompt-state-device cpu --activation-checkpointing:" in out
+    assert "(recipe: prompt_state_device: cpu; activation_checkpointing: true)" in out
+
+
+def test_suggestions_print_as_flags_and_recipe_lines():
+    suggestion = {"settings": {"activation_checkpointing": True, "shard_weights": True}, "weight_shards": 8}
+    assert suggestion_flags(suggestion) == "--activation-checkpointing --weight-shards 8"
+    assert suggestion_yaml(suggestion) == "activation_checkpointing: true; shard_weights: true"
+
+
 def test_fsdp2_shards_the_weights_and_adam_state_and_keeps_the_gradient_whole_through_the_window():
     config = tiny_config("qwen3")
     full = dataclasses.replace(SETUP, lora_rank=None)
@@ -111,7 +172,8 @@ def test_fsdp2s_gathered_weights_are_the_root_module_and_one_decoder_layer():
 def test_shard_weights_is_suggested_for_a_full_fine_tune_that_does_not_fit_one_device(capsys):
     args = ["plan", "qwen3_8b", "--prompt-length", "131072", "--lora-r", "0", "--gpu-memory", "80", "--gpus", "8"]
     assert cli.main(args) == 1
-    assert "shard_weights=True (FSDP2 over 8 ranks)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--weight-shards 8:" in out and "(recipe: shard_weights: true)" in out
     assert cli.main([*args, "--weight-shards", "8"]) == 0
     assert "weights sharded over 8 ranks (FSDP2)" in capsys.readouterr().out
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import warnings
@@ -282,63 +283,104 @@ def full_fine_tuning_bytes(account: UpdateAccount) -> int:
 
 
 def _suggestions(config, plan: Plan, stock_rows: int, devices: int | None) -> list[dict]:
-    """Single changes of `plan`'s settings that fit its budget: fp8 state, host placement, the largest chunk sizes
-    that fit, the smallest context-parallel size that fits (at most `devices`)."""
+    """What would fit `plan`'s budget: single changes of its settings (fp8 state, host placement, activation
+    checkpointing, the largest chunk sizes that fit, the smallest context-parallel size that fits, at most `devices`,
+    FSDP2 over the devices); when none does alone, the fewest of them together that fit (searched over pairs, then
+    triples, each change at its strongest), the smallest such plan first."""
     setup, found = plan.setup, []
 
-    def fits(changes: dict, context_parallel: int = plan.context_parallel, shards: int = plan.weight_shards):
-        candidate = plan_run(
+    def planned(change: dict) -> Plan:
+        fields = {key: value for key, value in change.items() if key not in ("context_parallel", "weight_shards")}
+        return plan_run(
             config,
-            dataclasses.replace(setup, **changes),
-            context_parallel,
+            dataclasses.replace(setup, **fields),
+            change.get("context_parallel", plan.context_parallel),
             plan.budget,
             stock_rows,
             suggest=False,
-            weight_shards=shards,
+            weight_shards=change.get("weight_shards", plan.weight_shards),
         )
-        return candidate if candidate.fits else None
 
-    def record(changes: dict, candidate: Plan | None, context_parallel: int | None = None) -> None:
-        if candidate is not None:
-            settings = {_CONFIG_FIELDS.get(key, key): value for key, value in changes.items()}
-            if context_parallel is not None:
-                settings["context_parallel_size"] = context_parallel
-            if candidate.weight_shards != plan.weight_shards:
-                settings["shard_weights"] = True
-            found.append(
-                {
-                    "settings": settings,
-                    "weight_shards": candidate.weight_shards,
-                    "device_bytes": candidate.device_bytes,
-                }
-            )
+    def record(change: dict, candidate: Plan) -> None:
+        settings = {_CONFIG_FIELDS.get(key, key): value for key, value in change.items() if key != "weight_shards"}
+        if "weight_shards" in change:
+            settings["shard_weights"] = True
+        found.append(
+            {"settings": settings, "weight_shards": candidate.weight_shards, "device_bytes": candidate.device_bytes}
+        )
 
+    strongest = []  # each change at its strongest: the candidates of the combination search
     if setup.state_dtype == "auto" and setup.state_device == "device":
-        record({"state_dtype": "float8_e4m3fn"}, fits({"state_dtype": "float8_e4m3fn"}))
+        strongest.append({"state_dtype": "float8_e4m3fn"})
     if setup.state_device == "device":
-        record({"state_device": "cpu"}, fits({"state_device": "cpu"}))
+        strongest.append({"state_device": "cpu"})
+    if not setup.activation_checkpointing:
+        strongest.append({"activation_checkpointing": True})
+    for change in strongest:
+        if (candidate := planned(change)).fits:
+            record(change, candidate)
     for field in ("prefill_chunk_size", "attention_chunk_size"):
         size = getattr(setup, field) // 2
+        if size >= SMALLEST_CHUNK:
+            strongest.append({field: SMALLEST_CHUNK})
         while size >= SMALLEST_CHUNK:
-            candidate = fits({field: size})
-            if candidate is not None:
+            if (candidate := planned({field: size})).fits:
                 record({field: size}, candidate)
                 break
             size //= 2
+    largest = min(devices or LARGEST_CONTEXT_PARALLEL, LARGEST_CONTEXT_PARALLEL)
     size = plan.context_parallel * 2
-    while size <= min(devices or LARGEST_CONTEXT_PARALLEL, LARGEST_CONTEXT_PARALLEL):
-        candidate = fits({}, size)
-        if candidate is not None:
-            record({}, candidate, size)
+    if size <= largest:
+        strongest.append({"context_parallel": largest})
+    while size <= largest:
+        if (candidate := planned({"context_parallel": size})).fits:
+            record({"context_parallel": size}, candidate)
             break
         size *= 2
     if plan.weight_shards == 1 and setup.quantization == "none" and devices is not None and devices > 1:
-        record({}, fits({}, shards=devices))  # FSDP2 over every device (data parallel: each trains its own rows)
+        strongest.append({"weight_shards": devices})  # FSDP2 over every device (data parallel: its own rows each)
+        if (candidate := planned({"weight_shards": devices})).fits:
+            record({"weight_shards": devices}, candidate)
+    for count in (2, 3):
+        if found:
+            break
+        fitting = []
+        for changes in itertools.combinations(strongest, count):
+            change = {key: value for single in changes for key, value in single.items()}
+            if (candidate := planned(change)).fits:
+                fitting.append((candidate.device_bytes, change, candidate))
+        for _, change, candidate in sorted(fitting, key=lambda entry: entry[0]):
+            record(change, candidate)
     return found
 
 
+def suggestion_flags(suggestion: dict) -> str:
+    """A suggestion as `trl-longstraw plan` flags."""
+    flags = []
+    for key, value in suggestion["settings"].items():
+        if key == "shard_weights":
+            flags.append(f"--weight-shards {suggestion['weight_shards']}")
+        elif value is True:
+            flags.append(f"--{key.replace('_', '-')}")
+        else:
+            flags.append(f"--{key.replace('_', '-')} {value}")
+    return " ".join(flags)
+
+
+def suggestion_yaml(suggestion: dict) -> str:
+    """A suggestion as recipe YAML lines (`LongStrawGRPOConfig` fields), on one line."""
+    return "; ".join(
+        f"{key}: {str(value).lower() if isinstance(value, bool) else value}"
+        for key, value in suggestion["settings"].items()
+    )
+
+
 # UpdateSetup fields under the names a user sets (LongStrawGRPOConfig's).
-_CONFIG_FIELDS = {"state_dtype": "prompt_state_dtype", "state_device": "prompt_state_device"}
+_CONFIG_FIELDS = {
+    "state_dtype": "prompt_state_dtype",
+    "state_device": "prompt_state_device",
+    "context_parallel": "context_parallel_size",
+}
 
 
 def recipe_plan_inputs(path: str | Path, prompt_tokens: int) -> tuple[PretrainedConfig, str, UpdateSetup, int, bool]:
@@ -532,19 +574,19 @@ def explain_out_of_memory(
             "the device, fragmentation)."
         )
     if suggestions:
-        lines.append(
-            "Each of these settings alone cuts the predicted peak by a quarter or more:"
-            if plan.fits
-            else "Each of these settings alone would fit:"
-        )
+        if plan.fits:
+            lines.append("Each of these settings alone cuts the predicted peak by a quarter or more:")
+        elif len(suggestions[0]["settings"]) == 1:
+            lines.append("Each of these settings alone would fit:")
+        else:
+            lines.append("No single setting would fit; these together would:")
         for suggestion in suggestions:
             settings = ", ".join(f"{key}={value!r}" for key, value in suggestion["settings"].items())
             lines.append(f"  {settings}: {_size(suggestion['device_bytes'])}")
     else:
         lines.append(
-            "No single setting is enough: combine them (prompt_state_dtype='float8_e4m3fn', prompt_state_device="
-            "'cpu', smaller prefill_chunk_size and attention_chunk_size, a larger context_parallel_size), or shorten "
-            "max_prompt_length."
+            "No setting, nor two or three together, would fit: use more devices (context_parallel_size, "
+            "shard_weights) or shorten max_prompt_length."
         )
     return "\n".join(lines)
 
@@ -603,14 +645,13 @@ def format_plan(plan: Plan) -> str:
             f"DOES NOT FIT: {plan.device_bytes / GIB:,.2f} GiB needed, {plan.budget / GIB:,.2f} GiB per device."
         )
         if plan.suggestions:
-            lines.append("Each of these settings alone would fit:")
+            alone = len(plan.suggestions[0]["settings"]) == 1
+            lines.append("Each of these settings alone would fit:" if alone else "No single setting fits; together:")
             for suggestion in plan.suggestions:
-                settings = ", ".join(f"{key}={value}" for key, value in suggestion["settings"].items())
-                if "shard_weights" in suggestion["settings"]:
-                    settings += f" (FSDP2 over {suggestion['weight_shards']} ranks)"
-                lines.append(f"  {settings}: {suggestion['device_bytes'] / GIB:,.2f} GiB")
+                lines.append(f"  {suggestion_flags(suggestion)}: {suggestion['device_bytes'] / GIB:,.2f} GiB")
+                lines.append(f"    (recipe: {suggestion_yaml(suggestion)})")
         else:
-            lines.append("No single setting fits: combine them, or use more devices.")
+            lines.append("No setting, nor two or three together, fits: use more devices or a shorter prompt.")
     return "\n".join(lines)
 
 
