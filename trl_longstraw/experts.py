@@ -23,17 +23,17 @@ whose fused experts carry LoRA (`lora_experts`); every other model keeps transfo
 from __future__ import annotations
 
 import torch
+from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
+from transformers.integrations.moe import ExpertsInterface
+from transformers.integrations.moe import _grouped_linear as grouped_linear
+
+try:  # PEFT's parametrization holding one adapter's low-rank factors (peft.tuners.lora.layer, 0.21)
+    from peft.tuners.lora.layer import _LoraFactorsProxy
+except ImportError:  # a PEFT without it: every parameter is read as transformers reads it
+    _LoraFactorsProxy = None
 
 EXPERTS_IMPLEMENTATION = "longstraw"
-
-
-def _factors_proxy_class() -> type | None:
-    try:  # PEFT's parametrization holding one adapter's low-rank factors (peft.tuners.lora.layer)
-        from peft.tuners.lora.layer import _LoraFactorsProxy
-    except ImportError:  # PEFT absent, or a version without it: every parameter is read as transformers reads it
-        return None
-    return _LoraFactorsProxy
 
 
 def _weight_and_factors(
@@ -42,11 +42,10 @@ def _weight_and_factors(
     """The fused tensor `name` of `experts` without its LoRA, and the LoRA's `(lhs, rhs, scaling)` (its update is
     `scaling * lhs @ rhs` in the tensor's layout), when PEFT parametrizes it with one adapter's factors and nothing
     else. Otherwise `(the parameter as transformers reads it, None)`."""
-    proxy_class = _factors_proxy_class()
     parametrizations = getattr(experts, "parametrizations", None)
-    if proxy_class is not None and parametrizations is not None and name in parametrizations:
+    if _LoraFactorsProxy is not None and parametrizations is not None and name in parametrizations:
         chain = parametrizations[name]
-        if len(chain) == 1 and isinstance(chain[0], proxy_class):
+        if len(chain) == 1 and isinstance(chain[0], _LoraFactorsProxy):
             proxy = chain[0]
             return chain.original, (proxy.lhs, proxy.rhs, proxy.scaling)
     return getattr(experts, name), None
@@ -57,18 +56,16 @@ def _expert_linear(
 ) -> torch.Tensor:
     """`inputs` (sorted by expert: `expert_ids` per row, `offsets` the groups' ends) through each row's expert's
     `name` map, with its LoRA applied to the rows: the base product and the two thin ones, all grouped."""
-    from transformers.integrations.moe import _grouped_linear as grouped
-
     weight, factors = _weight_and_factors(experts, name)
-    out = grouped(inputs, weight, offsets, is_transposed=experts.is_transposed)
+    out = grouped_linear(inputs, weight, offsets, is_transposed=experts.is_transposed)
     if factors is not None:
         lhs, rhs, scaling = factors
         lhs, rhs = _aligned_factors(lhs, rhs)
         # [E, out, in] = lhs [E, out, r] @ rhs [E, r, in]: x @ W^T gains s (x @ rhs^T) @ lhs^T;
         # [E, in, out] (transposed layout) = lhs [E, in, r] @ rhs [E, r, out]: x @ W gains s (x @ lhs) @ rhs.
         first, second = (lhs, rhs) if experts.is_transposed else (rhs, lhs)
-        inner = grouped(inputs.to(first.dtype), first, offsets, is_transposed=experts.is_transposed)
-        out = out + scaling * grouped(inner, second, offsets, is_transposed=experts.is_transposed)
+        inner = grouped_linear(inputs.to(first.dtype), first, offsets, is_transposed=experts.is_transposed)
+        out = out + scaling * grouped_linear(inner, second, offsets, is_transposed=experts.is_transposed)
     if experts.has_bias:
         out = out + getattr(experts, f"{name}_bias")[expert_ids]
     return out
@@ -118,18 +115,12 @@ def longstraw_experts_forward(
 
 def register_experts() -> None:
     """Register the `longstraw` experts implementation with transformers (idempotent)."""
-    from transformers.integrations.moe import ExpertsInterface
-
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, longstraw_experts_forward)
 
 
 def lora_experts(model: nn.Module) -> bool:
     """Whether PEFT's LoRA adapts a fused expert tensor of `model` (a `ParamWrapper` around an experts module that
     dispatches through transformers' `ExpertsInterface`)."""
-    try:
-        from peft.tuners.lora.layer import ParamWrapper
-    except ImportError:
-        return False
     # `use_experts_implementation` gives every experts class it dispatches a `_apply_gate`
     return any(
         isinstance(module, ParamWrapper) and hasattr(module.get_base_layer(), "_apply_gate")
