@@ -11,7 +11,7 @@ import pytest
 import torch
 from datasets import IterableDataset
 
-from trl_longstraw import LongStrawGRPOTrainer
+from trl_longstraw.validation import check_eval_batches, check_eval_dataset
 
 from .test_distributed import free_port
 
@@ -66,23 +66,21 @@ def test_two_context_parallel_ranks_take_the_single_process_step(tmp_path, famil
 
 def test_eval_batches_under_context_parallelism_hold_whole_groups_and_end_full():
     """The ranks of a CP group must draw identical eval batches (`SharedRowsSampler`), refused otherwise with the fix."""
-    trainer = SimpleNamespace(
-        _context_parallel=SimpleNamespace(size=2),
-        args=SimpleNamespace(per_device_eval_batch_size=4, dataloader_drop_last=False),
-        num_generations_eval=3,
-    )
-    check = LongStrawGRPOTrainer._check_eval_batches
+    args = SimpleNamespace(per_device_eval_batch_size=4, dataloader_drop_last=False)
+
+    def check(num_prompts):
+        check_eval_batches(num_prompts, 2, args, num_generations_eval=3)
+
     with pytest.raises(
         ValueError, match="per_device_eval_batch_size=4 to hold whole groups of num_generations_eval=3"
     ):
-        check(trainer, 4)
-    trainer.args.per_device_eval_batch_size = 6
+        check(4)
+    args.per_device_eval_batch_size = 6
     with pytest.raises(ValueError, match="5 prompts x num_generations_eval=3 rows do not fill whole batches"):
-        check(trainer, 5)
-    check(trainer, 4)  # 12 rows: two full batches
-    trainer.args.dataloader_drop_last = True
-    check(trainer, 5)  # the partial last batch is dropped on every rank
-    trainer._check_eval_batches = lambda num_prompts: check(trainer, num_prompts)
+        check(5)
+    check(4)  # 12 rows: two full batches
+    args.dataloader_drop_last = True
+    check(5)  # the partial last batch is dropped on every rank
     iterable = IterableDataset.from_generator(lambda: iter([{"prompt": "a"}]))
     with pytest.raises(ValueError, match="iterable eval dataset.*Pass a map-style Dataset"):
-        LongStrawGRPOTrainer._check_eval_dataset(trainer, iterable)
+        check_eval_dataset(iterable, 2, args, num_generations_eval=3)

@@ -402,7 +402,7 @@ def test_all_truncated_group_under_mask_truncated_completions(fresh_model, token
 
 
 def test_rows_are_grouped_by_prompt_wherever_they_sit(tokenizer):
-    from trl_longstraw.trainer import group_rows_by_prompt
+    from trl_longstraw.groups import group_rows_by_prompt
 
     batch = synthetic_inputs(len(tokenizer), prompt_lengths=(11, 7, 9), completion_lengths=((6, 3), (2, 6), (4, 1)))
     order = torch.tensor([3, 0, 5, 2, 4, 1])  # rows of three prompts, interleaved as TRL's row shuffle leaves them
@@ -416,7 +416,7 @@ def test_rows_are_grouped_by_prompt_wherever_they_sit(tokenizer):
 
 @pytest.mark.parametrize("max_positions, refused", [(17, False), (16, True)])
 def test_rows_whose_prompt_and_completion_reach_past_the_positions_are_refused(tokenizer, max_positions, refused):
-    from trl_longstraw.trainer import group_rows_by_prompt
+    from trl_longstraw.groups import group_rows_by_prompt
 
     batch = synthetic_inputs(len(tokenizer))  # prompts padded to 11 tokens, completions to 6: positions 0 .. 16
     group = (batch["prompt_ids"], batch["prompt_mask"], batch["completion_mask"], max_positions)
@@ -428,7 +428,7 @@ def test_rows_whose_prompt_and_completion_reach_past_the_positions_are_refused(t
 
 
 def test_a_right_padded_prompt_is_refused(tokenizer):
-    from trl_longstraw.trainer import group_rows_by_prompt
+    from trl_longstraw.groups import group_rows_by_prompt
 
     batch = synthetic_inputs(len(tokenizer))
     right_padded = batch["prompt_mask"].flip(1)

@@ -189,6 +189,30 @@ def keep_4bit_layout(causal_lm: nn.Module) -> None:
         module.support_avx512bf16_for_cpu = False
 
 
+def parallelize(causal_lm: nn.Module, shard_weights: bool, layer_classes: list[str] | None) -> list[nn.Module] | None:
+    """Shard the policy with FSDP2 as LongStraw drives it, in this order, and return the adapter units sharded apart
+    (empty if none), or None when the model ends unsharded.
+
+    1. QLoRA's 4-bit layout kept (`keep_4bit_layout`): before any forward of a sharded model.
+    2. Sharding: every decoder layer (or each of `layer_classes`) and the root, after PEFT's wrapping (TRL's) and
+       before the optimizer (`fully_shard_model`); or, for a model loaded sharded, the parameters added after it (an
+       adapter TRL added: `shard_added_parameters`).
+    3. The layout checked (`check_sharded_layout`).
+
+    `ShardedPasses` takes the result once the pre-flight passes have run on every rank.
+    """
+    if not shard_weights and not is_sharded(causal_lm):
+        return None
+    keep_4bit_layout(causal_lm)
+    adapter_units = []
+    if not is_sharded(causal_lm):
+        fully_shard_model(causal_lm, layer_classes)
+    else:
+        adapter_units = shard_added_parameters(causal_lm)
+    check_sharded_layout(causal_lm)
+    return adapter_units
+
+
 def sharded_mesh_group(causal_lm: nn.Module) -> dist.ProcessGroup:
     """The process group of the ranks whose passes are kept in step: the whole world, which the parameters' mesh
     must span (1D: the shards over every rank; 2D hybrid sharding: replicas x shards, e.g. FSDP2 inside each

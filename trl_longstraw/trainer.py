@@ -15,22 +15,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
 from accelerate.utils import is_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
-from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoConfig, TrainerCallback
+from transformers import AutoConfig
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context, profiling_decorator
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
-from .architectures import check_supported, longrope_switch_length, model_skeleton
+from .architectures import check_supported, model_skeleton
+from .callbacks import OptimizerStepCallback, PhaseChartsCallback
 from .config import FP16_REFUSED, LongStrawGRPOConfig
 from .context_parallel import (
     ContextParallelEngine,
@@ -44,29 +43,19 @@ from .context_parallel import (
 )
 from .distributed import average_gradients
 from .engine import prepare_model, stock_attention, weights_version
-from .faults import (
-    OutputFiniteness,
-    collective,
-    first_non_finite_gradient,
-    forget_reports,
-    in_phase,
-    warn_non_finite,
-)
+from .faults import OutputFiniteness, collective, first_non_finite_gradient, in_phase, warn_non_finite
 from .fsdp import (
     ShardedPasses,
-    check_sharded_layout,
     check_weights_loaded,
-    fully_shard_model,
-    is_sharded,
-    keep_4bit_layout,
     load_sharded_kwargs,
-    shard_added_parameters,
+    parallelize,
     shard_count,
     sharded_mesh_group,
 )
+from .groups import KeptPromptState, PromptGroup, group_rows_by_prompt
 from .load_balancing import moe_routing
 from .loss import member_backward, replayed_scores
-from .plan import GIB, explain_out_of_memory, memory_budget, plan_at_construction, trainer_setup
+from .plan import explain_out_of_memory, memory_budget, plan_at_construction, trainer_setup
 from .preemption import PreemptionCallback
 from .preflight import check_capture_matches_own_forward, positions_follow_mask
 from .rollout import (
@@ -77,183 +66,22 @@ from .rollout import (
     generates_with_transformers,
     prepare_sampling,
 )
-from .telemetry import PhaseTelemetry, phase_rows
+from .telemetry import PhaseTelemetry
+from .validation import (
+    check_adapter,
+    check_device_map,
+    check_dropout_off,
+    check_eval_dataset,
+    check_positions,
+    check_sharded_checkpointing,
+)
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PromptGroup:
-    """The rows of a batch that share one prompt (a GRPO group, or the part of it in this micro-batch)."""
-
-    index: int  # order of first appearance in the batch
-    rows: list[int]  # row indices, ascending
-    prompt_ids: torch.Tensor  # [P] real prompt tokens (left padding removed)
-    first_position: int  # position of prompt_ids[0], as the padded full-sequence forward numbers it
-    completion_lengths: list[int]  # real completion tokens per row
-
-    def same_prompt(self, prompt_ids: torch.Tensor, first_position: int) -> bool:
-        return first_position == self.first_position and torch.equal(
-            prompt_ids.to(self.prompt_ids.device), self.prompt_ids
-        )
-
-
-def group_rows_by_prompt(
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    completion_mask: torch.Tensor,
-    max_positions: int | None,
-    positions_follow_mask: bool = False,
-) -> list[PromptGroup]:
-    """Group a batch's rows by identical `(prompt_ids, prompt_mask)`, wherever they sit; raise on bad layouts.
-
-    TRL shuffles rows across the whole generation batch and lets a group span micro-steps, so a micro-batch holds any
-    number of rows of any number of groups, in any order. Rows with the same prompt need one capture, whichever group
-    they were sampled in. A group's first real token sits where the model's own forward puts it: at its index in the
-    padded row, or at 0 for a model that numbers positions from the attention mask (`positions_follow_mask`).
-    """
-    total_length = prompt_ids.shape[1] + completion_mask.shape[1]
-    if max_positions is not None and total_length > max_positions:
-        raise ValueError(
-            f"Prompt ({prompt_ids.shape[1]} tokens, padded) plus completion ({completion_mask.shape[1]} tokens) "
-            f"spans {total_length} positions, more than the model's max_position_embeddings={max_positions}. "
-            "Truncate the prompts, lower max_completion_length, or use a model configured for longer context."
-        )
-    keys = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)
-    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
-    inverse = inverse.tolist()
-    rows_of: dict[int, list[int]] = {}
-    for row, key in enumerate(inverse):
-        rows_of.setdefault(key, []).append(row)
-    lengths = completion_mask.sum(1).tolist()
-    groups = []
-    for index, rows in enumerate(sorted(rows_of.values(), key=lambda rows: rows[0])):
-        real = prompt_mask[rows[0]].bool()
-        num_real = int(real.sum())
-        padding = prompt_ids.shape[1] - num_real
-        if num_real == 0 or not bool(real[padding:].all()):
-            raise ValueError(
-                f"Row {rows[0]}: prompt_mask must be left-padded and non-empty (got {prompt_mask[rows[0]].tolist()})."
-            )
-        groups.append(
-            PromptGroup(
-                index,
-                rows,
-                prompt_ids[rows[0], padding:].clone(),  # not a view: a kept group must not pin the batch
-                0 if positions_follow_mask else padding,
-                [int(lengths[r]) for r in rows],
-            )
-        )
-    return groups
-
-
-def check_adapter(peft_config) -> None:
-    """Refuse a PEFT prompt-learning adapter (prompt, prefix or p-tuning): its virtual tokens are added by the PEFT
-    wrapper's forward, which the capture and replay of the base model never run."""
-    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
-        raise ValueError(
-            f"peft_config is a {type(peft_config).__name__} (prompt learning): its virtual tokens are prepended by "
-            "PEFT's forward, which LongStraw's capture and replay of the base model bypass, so they would never be "
-            "trained. Use an adapter on the weights (LoraConfig, for example)."
-        )
 
 
 def model_devices(model) -> list[torch.device]:
     """The devices a model's weights occupy: one, or each of those a `device_map` split it over."""
     return sorted({param.device for param in model.parameters()}, key=str)
-
-
-def check_device_map(model) -> None:
-    """Refuse layers offloaded by `device_map` ("disk" anywhere, "cpu" beside GPUs): their weights are brought in per
-    forward (the captured state could not tell whether they moved), and PEFT cannot train adapters on them."""
-    device_map = {name: str(where) for name, where in (getattr(model, "hf_device_map", None) or {}).items()}
-    on_gpus = any(where not in ("cpu", "disk") for where in device_map.values())
-    offloaded = sorted(name for name, where in device_map.items() if where == "disk" or (where == "cpu" and on_gpus))
-    if offloaded:
-        raise ValueError(
-            f"The model's device_map offloads {offloaded[:3]}{' ...' if len(offloaded) > 3 else ''} to cpu/disk. "
-            "LongStrawGRPOTrainer needs every layer's weights on a device it computes on: give the model more GPUs "
-            "or memory (device_map='auto' with max_memory in model_init_kwargs), or quantise it (load_in_4bit)."
-        )
-
-
-def check_dropout_off(model) -> None:
-    """Refuse active dropout: a replay must reproduce the log-probs its loss gradient was computed from, and a new
-    dropout sample per forward would not."""
-    active = next(((name, m.p) for name, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0), None)
-    if active is not None:
-        raise ValueError(
-            f"Dropout {active[0]} has p={active[1]}: LongStraw scores each member once and replays it under "
-            "autograd, so both must see the same network. Set disable_dropout=True (the LongStrawGRPOConfig default)."
-        )
-
-
-@dataclass
-class _KeptState:
-    """The one prompt state kept between uses: the last group scored or replayed, while the weights stay put."""
-
-    group: PromptGroup
-    state: Any
-
-
-class _LongStrawCallback(TrainerCallback):
-    """Times the optimizer step (the Trainer owns that call), flushes the step's telemetry, drops stale state."""
-
-    def __init__(self, trainer: LongStrawGRPOTrainer):
-        self.trainer = trainer
-        self.span = None
-
-    @staticmethod
-    def _wandb_run(args, state):
-        """The W&B run this process logs to (transformers' WandbCallback started it), or None."""
-        if not state.is_world_process_zero or "wandb" not in (args.report_to or []):
-            return None
-        import wandb
-
-        return wandb.run
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        forget_reports()  # a failure of an earlier train() in this process is not this run's
-        plan = self.trainer._memory_plan
-        run = self._wandb_run(args, state)
-        if plan is not None and run is not None:
-            run.config.update({"longstraw_memory_plan": plan.to_dict()}, allow_val_change=True)
-            run.summary["longstraw/plan/device_gib"] = plan.device_bytes / GIB
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        """The step's phases as one bar chart per metric (time, memory) beside the scalar keys; the highest peak
-        measured so far in the run summary, next to the plan's prediction."""
-        run = self._wandb_run(args, state)
-        columns, rows = phase_rows(logs or {})
-        if run is None or not rows:
-            return
-        import wandb
-
-        table = wandb.Table(columns=columns, data=rows)
-        charts = {
-            f"longstraw/phases/{metric}": wandb.plot.bar(table, "phase", metric, title=f"LongStraw phases: {metric}")
-            for metric in columns[1:]
-            if metric.endswith(("time_s", "peak_gib"))
-        }
-        run.log(charts, commit=False)
-        for metric in columns[1:]:
-            if metric.endswith("peak_gib"):
-                peak = max(row[columns.index(metric)] for row in rows)
-                key = f"longstraw/measured/{metric}"
-                run.summary[key] = max(peak, run.summary.get(key, 0.0))
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if self.span is not None:  # left open by an optimizer step that raised
-            self.span.__exit__(None, None, None)
-        self.span = self.trainer._phase("optimizer")
-        self.span.__enter__()
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        if self.span is not None:
-            self.span.__exit__(None, None, None)
-            self.span = None
-        self.trainer._kept = None  # captured under the weights the optimizer just changed
-        self.trainer._flush_telemetry("train")
 
 
 class LongStrawGRPOTrainer(GRPOTrainer):
@@ -315,7 +143,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 check_weights_loaded(model)
             if is_peft_model(model):
                 check_adapter(model.active_peft_config)
-        self._check_positions(config, args, prompt_width=1)
+        check_positions(config, args, prompt_width=1)
         self._memory_plan = plan_at_construction(  # before any weights load
             config, model, args, kwargs.get("peft_config"), kwargs.get("quantization_config")
         )
@@ -327,16 +155,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if self._is_vlm:
             raise ValueError("LongStrawGRPOTrainer supports text-only causal LMs; this model is vision-language.")
         policy = self._causal_lm(self.model)
-        if args.shard_weights or is_sharded(policy):
-            keep_4bit_layout(policy)  # QLoRA: before any forward of the sharded model
-        adapter_units = []
-        if args.shard_weights and not is_sharded(policy):
-            fully_shard_model(policy, args.shard_layer_classes)  # after PEFT wrapping (TRL's), before the optimizer
-        elif is_sharded(policy):
-            adapter_units = shard_added_parameters(policy)  # e.g. the adapter TRL added to a model loaded sharded
-        sharded = is_sharded(policy)
-        if sharded:  # FSDP2 (fsdp.py)
-            self._check_sharded(args)
+        adapter_units = parallelize(policy, args.shard_weights, args.shard_layer_classes)  # FSDP2 (fsdp.py)
+        if adapter_units is not None:
+            check_sharded_checkpointing(args)
             # Trainer's flag for a model that owns its placement and gradient reduction: Accelerate neither wraps it
             # in DDP (which rejects DTensor parameters) nor shards it again.
             self.is_distributed_loading_by_transformers = True
@@ -354,7 +175,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             ShardedPasses(
                 policy, self.accelerator.device, sharded_mesh_group(policy), args.context_parallel_size, adapter_units
             )
-            if sharded
+            if adapter_units is not None
             else None
         )
         state_device = None if args.prompt_state_device == "auto" else torch.device(args.prompt_state_device)
@@ -378,7 +199,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             enabled=args.log_phase_metrics,
             synchronize=args.sync_phase_metrics,
         )
-        self._kept: _KeptState | None = None
+        self._kept = KeptPromptState()  # one prompt state alive between uses (groups.py)
         self._prompt_tokens = 0  # the last prompt captured
         # which module a non-finite value came from (faults.py)
         self._finiteness = OutputFiniteness.of_causal_lm(policy)
@@ -388,8 +209,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._warned_own_generate = False
         if self._context_parallel is not None and self.eval_dataset is not None:  # refused now, not when evaluating
             for dataset in self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]:
-                self._check_eval_dataset(dataset)
-        self.add_callback(_LongStrawCallback(self))
+                check_eval_dataset(dataset, args.context_parallel_size, args, self.num_generations_eval)
+        self.add_callback(OptimizerStepCallback(self._phase, self._after_optimizer_step))
+        self.add_callback(PhaseChartsCallback(self._memory_plan))
         self.add_callback(PreemptionCallback())
 
     def _resolve_rollout(self, args: LongStrawGRPOConfig) -> bool:
@@ -455,17 +277,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             state_dict = get_model_state_dict(self.model, options=options)
         super()._save(output_dir, state_dict=state_dict)
 
-    def _check_sharded(self, args: LongStrawGRPOConfig) -> None:
-        """FSDP2 as LongStraw drives it (fsdp.py): the layout, and the settings not composed with it."""
-        check_sharded_layout(self._causal_lm(self.model))
-        save_strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
-        if save_strategy != "no" and not args.save_only_model:
-            raise ValueError(
-                f"save_strategy={save_strategy!r} with weights sharded by FSDP2: the optimizer's sharded state is "
-                "not checkpointed, so a checkpoint could not be resumed. Set save_only_model=True (the weights, "
-                "gathered, are saved) or save_strategy='no'."
-            )
-
     def _warn_non_finite(self, where: str, source: str | None = None) -> None:
         """`faults.warn_non_finite` in the optimizer step in progress; `source` by default the first module whose
         output was not finite since the last warning (`OutputFiniteness`)."""
@@ -515,45 +326,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             weight_shards=shard_count(causal_lm),
         )
 
+    def _after_optimizer_step(self) -> None:
+        self._kept.invalidate()  # captured under the weights the optimizer just changed
+        self._flush_telemetry("train")
+
     def _flush_telemetry(self, mode: str) -> None:
         for key, value in self._telemetry.flush(mode).items():
             self._metrics[mode][key].append(value)
-
-    @staticmethod
-    def _check_positions(config, args: LongStrawGRPOConfig, prompt_width: int) -> None:
-        """Refuse prompts that, with the tokens generation may add (`max_completion_length`, or a `max_new_tokens` /
-        vLLM `max_tokens` in `generation_kwargs`, which override it as in GRPOTrainer), would run past the model's
-        positions.
-
-        Called at construction (a one-token prompt) and on the tokenized prompts before each generation, so the
-        costliest part of a long-prompt step never runs for a batch the update would refuse.
-        """
-        generated, field_name = args.max_completion_length or 0, "max_completion_length"
-        for key in ("max_tokens",) if args.use_vllm else ("max_new_tokens",):  # vLLM's, or generate's
-            if (args.generation_kwargs or {}).get(key) is not None:
-                generated, field_name = args.generation_kwargs[key], f"generation_kwargs {key}"
-        multiple = args.pad_to_multiple_of
-
-        def padded(width: int) -> int:
-            return -(-width // multiple) * multiple if multiple else width
-
-        total = padded(prompt_width) + padded(generated)
-        spans = f"A prompt of {prompt_width} tokens plus {field_name}={generated} spans {total}"
-        max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
-        if max_positions is not None and total > max_positions:
-            raise ValueError(
-                f"{spans} positions, more than the model's max_position_embeddings={max_positions}. Truncate the "
-                f"prompts, lower {field_name}, or use a model configured for longer context."
-            )
-        switch = longrope_switch_length(config)
-        if switch is not None and total > switch:
-            raise ValueError(
-                f"{spans} positions, more than this longrope model's original_max_position_embeddings={switch}. "
-                "longrope rotates a whole forward with its long factors once the forward is longer than that, so "
-                "stock's one forward of prompt + completion and LongStraw's chunked capture would rotate the prompt "
-                f"differently. Keep prompt + {field_name} within {switch} positions, or use a model whose RoPE does "
-                "not depend on the forward's length."
-            )
 
     def _is_reference_pass(self, model) -> bool:
         """Whether GRPOTrainer is scoring the reference: `ref_model`, or the policy with its adapter disabled/`ref`."""
@@ -591,15 +370,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
 
         The kept state is released before capturing, so at most one state is alive besides the caller's.
         """
-        kept, self._kept = self._kept, None
-        if (
-            kept is not None
-            and kept.group.same_prompt(group.prompt_ids, group.first_position)
-            and kept.state.weights_version == weights_version(causal_lm)
-        ):
-            return kept.state
-        del kept
-        return self._capture(causal_lm, group, "capture")
+        state = self._kept.get(group, weights_version(causal_lm))
+        return state if state is not None else self._capture(causal_lm, group, "capture")
 
     def _score_groups(self, causal_lm, groups, completion_ids, reference: bool, router_load: bool):
         """No-grad log-probs and entropies `[batch, completion_len]` of every row, one prompt state at a time, the
@@ -609,13 +381,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         the group size (measured: 0.16 to 0.85 GiB from G = 2 to 16 at P = 8K). For the policy, the group whose state
         is kept goes first (no capture) and the last group's state stays kept.
         """
-        if not reference and self._kept is not None:
-            kept = self._kept.group
+        kept = self._kept.group
+        if not reference and kept is not None:
             groups = sorted(groups, key=lambda g: not kept.same_prompt(g.prompt_ids, g.first_position))
         logps = entropies = load = None
         for group in groups:
             if reference:
-                self._kept = None
+                self._kept.invalidate()
                 state = self._capture(causal_lm, group, "capture_ref")
             else:
                 state = self._policy_state(causal_lm, group)
@@ -642,10 +414,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             if group_entropies is not None:  # None: every member of the group is empty (e.g. all truncated)
                 entropies[rows.to(entropies.device)] = group_entropies.to(entropies)
             if not reference:
-                self._kept = _KeptState(group, state)
+                self._kept.keep(group, state)
             del state
         if reference:
-            self._kept = None
+            self._kept.invalidate()
         return logps, entropies, groups, load
 
     # ---------------------------------------------------------------------------------------------------------------
@@ -769,7 +541,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                             None if router_weights is None or routing_detached else router_weights * len(group.rows),
                         )
                 else:
-                    self._kept = _KeptState(group, state)
+                    self._kept.keep(group, state)
                 del state
             if self._sharded is not None:  # FSDP2 reduces the gradients, once per window (fsdp.py)
                 self._sharded.finish_phase()
@@ -798,7 +570,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     causal_lm, state, group.prompt_ids[-1:], completion_ids[group.rows[0]], 1
                 )
             member_backward(logps, None, torch.zeros_like(logps), None)
-            self._kept = _KeptState(group, state)
+            self._kept.keep(group, state)
             del state
         known = {id(param) for param in self._reached or ()}
         trainable = [p for p in causal_lm.parameters() if p.requires_grad]
@@ -833,7 +605,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         """GRPOTrainer's tokenization, then the position (and context-parallel length) checks, before any completion
         is generated."""
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
-        self._check_positions(self.model.config, self.args, prompt_width=max(len(ids) for ids in prompt_ids))
+        check_positions(self.model.config, self.args, prompt_width=max(len(ids) for ids in prompt_ids))
         if self._context_parallel is not None:  # a prompt shorter than the CP group cannot be sharded
             check_prompt_length(min(len(ids) for ids in prompt_ids), self._context_parallel.size)
         return prompt_ids, images, multimodal_fields
@@ -881,7 +653,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             rows_of.setdefault(tuple(ids), []).append(row)
         tool_turn = self._first_turn is not None
         if not tool_turn:
-            self._kept = None
+            self._kept.invalidate()
         if self._context_parallel is not None and self.tools:  # tool results are computed by each rank itself
             check_same_rows(prompt_ids, self._context_parallel)
         with (
@@ -933,7 +705,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if reusable:
             rows, prompt_ids = reusable[-1].rows, reusable[-1].prompt_ids
             group = PromptGroup(0, rows, prompt_ids, first_position=0, completion_lengths=[])
-            self._kept = _KeptState(group, reusable[-1].state)
+            self._kept.keep(group, reusable[-1].state)
         if self.tools:
             self._first_turn = prompt_rows
 
@@ -966,10 +738,15 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         return SharedRowsSampler(sampler, rows_per_rank, self._context_parallel.size)
 
     def get_eval_dataloader(self, eval_dataset=None):
-        """TRL's; under context parallelism the eval set is checked first (`_check_eval_dataset`)."""
+        """TRL's; under context parallelism the eval set is checked first (`validation.check_eval_dataset`)."""
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         if self._context_parallel is not None and dataset is not None:  # none at all: TRL's own error
-            self._check_eval_dataset(self.eval_dataset[dataset] if isinstance(dataset, str) else dataset)
+            check_eval_dataset(
+                self.eval_dataset[dataset] if isinstance(dataset, str) else dataset,
+                self._context_parallel.size,
+                self.args,
+                self.num_generations_eval,
+            )
         return super().get_eval_dataloader(eval_dataset)
 
     def _get_eval_sampler(self, eval_dataset):
@@ -979,37 +756,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             return sampler
         return SharedRowsSampler(sampler, self.args.per_device_eval_batch_size, self._context_parallel.size)
 
-    def _check_eval_dataset(self, dataset) -> None:
-        """Under context parallelism an eval set must be map-style (an iterable one reaches each rank with its own
-        rows, of which a CP group would evaluate only its first rank's) and fill whole batches of whole groups."""
-        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
-            raise ValueError(
-                f"context_parallel_size={self._context_parallel.size} with an iterable eval dataset: each rank would "
-                "draw its own rows and a CP group would evaluate only its first rank's. Pass a map-style Dataset "
-                "(e.g. `Dataset.from_list(list(iterable))`) to evaluate every row."
-            )
-        self._check_eval_batches(len(dataset))
-
-    def _check_eval_batches(self, num_prompts: int) -> None:
-        """Under context parallelism every eval batch must hold whole groups, and the batches must not end with a
-        partial one (the ranks of a CP group must draw identical batches, `SharedRowsSampler`)."""
-        cp, batch = self._context_parallel.size, self.args.per_device_eval_batch_size
-        generations = self.num_generations_eval
-        if batch % generations:
-            raise ValueError(
-                f"context_parallel_size={cp} needs per_device_eval_batch_size={batch} to hold whole groups of "
-                f"num_generations_eval={generations}: make it a multiple of {generations}."
-            )
-        if num_prompts * generations % batch and not self.args.dataloader_drop_last:
-            raise ValueError(
-                f"context_parallel_size={cp}: the eval dataset's {num_prompts} prompts x num_generations_eval="
-                f"{generations} rows do not fill whole batches of per_device_eval_batch_size={batch}, and the ranks "
-                "of a CP group must draw identical batches. Choose a per_device_eval_batch_size that divides "
-                f"{num_prompts * generations}, or set dataloader_drop_last=True."
-            )
-
     def _generate_and_score_completions(self, inputs):
-        self._kept = None  # generation needs the memory, and the weights may have moved since
+        self._kept.invalidate()  # generation needs the memory, and the weights may have moved since
         if self._context_parallel is not None:  # a CP group shares its prompts, so it must share its rows
             inputs = share_leader_inputs(inputs, self._context_parallel)
         return super()._generate_and_score_completions(inputs)
