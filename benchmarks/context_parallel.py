@@ -106,8 +106,8 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
     torch.set_num_threads(1)
     from trl.trainer.utils import add_fused_lm_head
 
-    from trl_longstraw.context_parallel import COMMUNICATION, ContextParallelEngine, ContextParallelGroup, ShardLayout
-    from trl_longstraw.engine import prepare_model
+    from trl_longstraw.context_parallel import COMMUNICATION, ContextParallelGroup, ShardLayout, distribution_over
+    from trl_longstraw.engine import LongStrawEngine, prepare_model
 
     cp = None
     if size > 1:
@@ -134,8 +134,11 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
         return time.perf_counter()
 
     lengths = torch.full((args.members,), args.completion_length)
-    engine = ContextParallelEngine(
-        args.prefill_chunk_size, args.attention_chunk_size, prompt_gradient=args.mode, context_parallel=cp
+    engine = LongStrawEngine(
+        args.prefill_chunk_size,
+        args.attention_chunk_size,
+        prompt_gradient=args.mode,
+        distribution=distribution_over(cp),
     )
     baseline = rss_gib()
     times, elements = {}, {}
@@ -150,7 +153,7 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
         engine.score(model, state, prompt[-1:], completions, lengths, batch_size=1)
     times["score"] = clock() - start
     start = clock()
-    for member in engine.members(args.members):
+    for member in engine.distribution.members(args.members):
         if member is None:
             engine.stand_in(model, state, prompt[-1:], completions[0])
             continue

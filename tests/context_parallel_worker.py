@@ -14,10 +14,10 @@ from trl.trainer.utils import add_fused_lm_head
 
 from trl_longstraw.context_parallel import (
     COMMUNICATION,
-    ContextParallelEngine,
     ContextParallelError,
     ContextParallelGroup,
     check_same_rows,
+    distribution_over,
 )
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine, prepare_model
@@ -54,7 +54,7 @@ def update(engine, model, prompt, completions, lengths, weights, first_position=
         scored, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
     replayed = {}
     with phase("replay"):
-        for member in engine.members(len(completions)):
+        for member in engine.distribution.members(len(completions)):
             if member is None:
                 engine.stand_in(model, state, prompt[-1:], completions[0])
                 continue
@@ -66,8 +66,8 @@ def update(engine, model, prompt, completions, lengths, weights, first_position=
         with phase("prompt_backward"):
             engine.backward_prompt(model, state, prompt)
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    if engine.lockstep:
-        grads = summed_over_group(model, grads, engine.context_parallel)
+    if engine.distribution.lockstep:
+        grads = summed_over_group(model, grads, engine.distribution.group)
     return state, scored, replayed, grads
 
 
@@ -116,7 +116,7 @@ def check_family(family, mode, cp, device="cpu"):
     prompt, completions, lengths, weights = case()
     weights = weights.to(device)  # the engine moves its own inputs; these are the replays' incoming gradients
     reference = LongStrawEngine(8, 4, prompt_gradient=mode)
-    sharded = ContextParallelEngine(8, 4, prompt_gradient=mode, context_parallel=cp)
+    sharded = LongStrawEngine(8, 4, prompt_gradient=mode, distribution=distribution_over(cp))
     whole, want_scores, want_logps, want_grads = update(reference, model, prompt, completions, lengths, weights)
     COMMUNICATION.clear()
     rules = [state_passing_rule(module) for module in model.modules() if is_gated_deltanet(module)]
@@ -197,7 +197,9 @@ def check_rollout(family, cp, device="cpu"):
         )
         rows = continuations if name == "continued" else None
         want_tokens, want_logits = rollouts(LongStrawEngine(8, 4), model, prompts, 2, config, rows)
-        tokens, logits = rollouts(ContextParallelEngine(8, 4, context_parallel=cp), model, prompts, 2, config, rows)
+        tokens, logits = rollouts(
+            LongStrawEngine(8, 4, distribution=distribution_over(cp)), model, prompts, 2, config, rows
+        )
         results[name] = {
             "same_tokens": torch.equal(tokens, want_tokens),
             "logit_error": (logits - want_logits).abs().max().item(),
@@ -218,7 +220,9 @@ def check_fp8_pages(family, cp):
         for name, engine in {
             "full": LongStrawEngine(8, 4),
             "fp8": LongStrawEngine(8, 4, prompt_state_dtype="float8_e4m3fn"),
-            "sharded_fp8": ContextParallelEngine(8, 4, prompt_state_dtype="float8_e4m3fn", context_parallel=cp),
+            "sharded_fp8": LongStrawEngine(
+                8, 4, prompt_state_dtype="float8_e4m3fn", distribution=distribution_over(cp)
+            ),
         }.items():
             state = engine.capture(model, prompt, first_position=0)
             scores[name], _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
@@ -240,7 +244,7 @@ def indexer_communication(cp):
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     prompt, completions, _, _ = case()
-    engine = ContextParallelEngine(8, 4, context_parallel=cp)
+    engine = LongStrawEngine(8, 4, distribution=distribution_over(cp))
     state = engine.capture(model, prompt, first_position=0)
     COMMUNICATION.clear()
     with torch.no_grad():
@@ -260,7 +264,7 @@ def refusal(cp, family="qwen3", prompt_length=2, model=None):
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
     try:
-        ContextParallelEngine(8, 4, context_parallel=cp).capture(model, torch.arange(5, 5 + prompt_length), 0)
+        LongStrawEngine(8, 4, distribution=distribution_over(cp)).capture(model, torch.arange(5, 5 + prompt_length), 0)
     except ContextParallelError as error:
         return str(error)
     return None
@@ -335,7 +339,7 @@ def run_data_and_context_parallel(rank, world_size, init_file, mode, out_dir):
         reference = LongStrawEngine(8, 4, prompt_gradient=mode)
         wanted = [update(reference, model, *c)[3] for c in cases]
         want = {name: (wanted[0][name] + wanted[1][name]) / 2 for name in wanted[0]}
-        sharded = ContextParallelEngine(8, 4, prompt_gradient=mode, context_parallel=context)
+        sharded = LongStrawEngine(8, 4, prompt_gradient=mode, distribution=distribution_over(context))
         update(sharded, model, *cases[rank // 2])  # CP group k = ranks 2k, 2k + 1 takes prompt k
         params = [p for p in model.parameters() if p.grad is not None]
         average_gradients(params, shares=2)

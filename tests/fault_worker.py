@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from trl.trainer.utils import add_fused_lm_head
 
-from trl_longstraw.context_parallel import ContextParallelEngine, ContextParallelGroup, build_context_parallel_group
+from trl_longstraw.context_parallel import ContextParallelGroup, build_context_parallel_group, distribution_over
 from trl_longstraw.embedded import build_model
-from trl_longstraw.engine import prepare_model
+from trl_longstraw.engine import LongStrawEngine, prepare_model
 from trl_longstraw.faults import current_phase, in_phase
 
 from .context_parallel_worker import case, rollouts, update
@@ -55,7 +55,7 @@ def update_and_roll_out(cp) -> None:
     model = build_model(FAMILY, seed=0)
     prepare_model(model)
     add_fused_lm_head(model, outputs=("log_probs", "entropy"))
-    engine = ContextParallelEngine(8, 4, prompt_gradient="exact", context_parallel=cp)
+    engine = LongStrawEngine(8, 4, prompt_gradient="exact", distribution=distribution_over(cp))
     prompt, completions, lengths, weights = case()
     update(engine, model, prompt, completions, lengths, weights, phase=in_phase)
     config = GenerationConfig(max_new_tokens=4, pad_token_id=0, eos_token_id=[1], do_sample=False)

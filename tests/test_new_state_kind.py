@@ -13,7 +13,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationConfig
 
 from trl_longstraw.accounting import prompt_state_bytes
-from trl_longstraw.context_parallel import ContextParallelEngine, ContextParallelGroup
+from trl_longstraw.context_parallel import ContextParallelGroup, distribution_over
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine
 from trl_longstraw.state import STATE_KINDS, LayerState, register_state_kind
@@ -236,7 +236,7 @@ def sharded_against_one_process(rank, world_size, init_file, out_dir):
         results = {}
         for mode in ("detach", "exact"):
             single = update(LongStrawEngine(8, 5, prompt_gradient=mode), model, prompt, completions, lengths, weights)
-            engine = ContextParallelEngine(8, 5, prompt_gradient=mode, context_parallel=cp)
+            engine = LongStrawEngine(8, 5, prompt_gradient=mode, distribution=distribution_over(cp))
             sharded = update(engine, model, prompt, completions, lengths, weights)
             results[mode] = {
                 "score_error": (sharded[1] - single[1]).abs().max().item(),
@@ -246,7 +246,7 @@ def sharded_against_one_process(rank, world_size, init_file, out_dir):
             max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=[1], disable_compile=True
         )
         want, _ = rollouts(LongStrawEngine(8, 5), model, [prompt], 2, config)
-        got, _ = rollouts(ContextParallelEngine(8, 5, context_parallel=cp), model, [prompt], 2, config)
+        got, _ = rollouts(LongStrawEngine(8, 5, distribution=distribution_over(cp)), model, [prompt], 2, config)
         results["same_tokens"] = torch.equal(got, want)
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:

@@ -11,7 +11,7 @@ Token layout of one member, for a prompt `p[0..P)` and completion `c[0..R)`:
     capture:  p[0 .. P-1)                         no grad, in chunks; state kept
     replay:   [p[P-1], c[0], ..., c[R-1]]        predicts c[0 .. R): the last prompt token is replayed, so the
                                                   first completion token gets its log-prob and its gradient path
-                                                  (c[R-1] is fed but never scored: see `_member_forward`)
+                                                  (c[R-1] is fed but never scored: see `LongStrawEngine.member_forward`)
 
 For a MoE policy trained with TRL's load-balancing loss (`routing`), each of these forwards also sums its tokens'
 routing ([`~trl_longstraw.load_balancing.RouterLoad`]): the capture's on the state, each member's returned.
@@ -22,8 +22,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -188,6 +188,95 @@ class ReplayedMembers:
     routing_detached: bool = False
 
 
+class Distribution(Protocol):
+    """How the processes that share a prompt state divide its work: the engine's strategy, chosen at construction.
+
+    `Local` (one process holds the whole state) or `context_parallel.ContextParallel` (the prompt's chunks across a
+    CP group, `context_parallel/`). The strategy runs the phases whose work it divides (the capture, the scoring, the
+    exact-mode prompt backward) with the engine's building blocks (`empty_state`, `backbone_forward`,
+    `member_forward`, `recompute_chunk`); the engine runs the rest (a member's replay, a rollout step) the same way
+    under every strategy, asking it which members are this process's and what a rollout step decided.
+    """
+
+    # Whether the processes sharing a prompt state run every score and replay together: a round where one has no
+    # member then runs a `LongStrawEngine.stand_in`.
+    lockstep: bool
+
+    def members(self, count: int) -> list[int | None]:
+        """The members of a group of `count` this process scores or replays, one per round (None: a stand-in)."""
+
+    def agree(self, decision: torch.Tensor) -> torch.Tensor:
+        """A rollout step's decision (its sampled tokens, the rows still unfinished) as every process decoding these
+        rows must take it."""
+
+    def capture(
+        self, engine: LongStrawEngine, model: nn.Module, prompt_ids: torch.Tensor, first_position: int
+    ) -> PromptState:
+        """The prompt's state, captured without autograd (`LongStrawEngine.capture`)."""
+
+    def score(
+        self, engine: LongStrawEngine, model, state, last_prompt_token, completions, lengths, batch_size, router_load
+    ):
+        """Every member's no-grad log-probs and entropies (`LongStrawEngine.score`)."""
+
+    def backward_prompt(
+        self, engine: LongStrawEngine, model, state, prompt_ids, router_weights: torch.Tensor | None
+    ) -> None:
+        """The exact-mode recompute of the prompt's chunks, in reverse (`LongStrawEngine.backward_prompt`)."""
+
+
+class Local:
+    """The whole prompt state on this process: every member its own, chunks captured and recomputed in order."""
+
+    lockstep = False
+
+    def members(self, count: int) -> list[int | None]:
+        return list(range(count))
+
+    def agree(self, decision: torch.Tensor) -> torch.Tensor:
+        return decision
+
+    def capture(self, engine, model, prompt_ids, first_position):
+        num_tokens = prompt_ids.numel() - 1
+        state = engine.empty_state(model, num_tokens, first_position)
+        for chunk_index, start in enumerate(range(0, num_tokens, engine.prefill_chunk_size)):
+            end = min(start + engine.prefill_chunk_size, num_tokens)
+            _, load, _ = engine.backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk_index)
+            state.add_router_load(load)
+        state.check_captured()
+        return state
+
+    def score(self, engine, model, state, last_prompt_token, completions, lengths, batch_size, router_load):
+        logps = entropies = load = None
+        for start in range(0, len(completions), batch_size):
+            rows = slice(start, start + batch_size)
+            if int(lengths[rows].max()) == 0 and engine.routing is None:
+                continue
+            chunk_logps, chunk_entropies, chunk_load = engine.member_forward(
+                model, state, last_prompt_token, completions[rows], lengths[rows]
+            )
+            load = chunk_load if load is None else load + chunk_load
+            width = chunk_logps.shape[1]
+            if logps is None:
+                logps = chunk_logps.new_zeros(completions.shape)
+                entropies = None if chunk_entropies is None else chunk_entropies.new_zeros(completions.shape)
+            logps[rows, :width] = chunk_logps
+            if entropies is not None:
+                entropies[rows, :width] = chunk_entropies
+        if logps is None:  # every member is empty (e.g. all truncated and masked)
+            logps = torch.zeros(completions.shape, device=engine.device(model))
+        return (logps, entropies, load) if router_load else (logps, entropies)
+
+    def backward_prompt(self, engine, model, state, prompt_ids, router_weights):
+        """Chunk c reads the pages of chunks < c as leaves, so its backward adds to their gradients before they are
+        themselves recomputed. Peak memory is one chunk's graph plus the state-sized gradient."""
+        starts = list(range(0, state.num_tokens, engine.prefill_chunk_size))
+        for chunk_index in reversed(range(len(starts))):
+            start = starts[chunk_index]
+            end = min(start + engine.prefill_chunk_size, state.num_tokens)
+            engine.recompute_chunk(model, state, prompt_ids, start, end, chunk_index, router_weights)
+
+
 @dataclass
 class LongStrawEngine:
     """Capture, score, replay and (exact mode) prompt backward for one causal LM with TRL's fused LM head.
@@ -202,6 +291,8 @@ class LongStrawEngine:
             with per-(page, head) scales, dequantised chunk by chunk as read; detach mode only).
         routing: a MoE model's routing when the update includes TRL's load-balancing loss: every forward then sums
             its tokens' router load (the capture's into `state.router_load`), and no layer's output goes unread.
+        distribution: how the processes sharing a prompt state divide its work (`Distribution`: `Local`, or
+            `context_parallel.ContextParallel` over a CP group).
     """
 
     prefill_chunk_size: int
@@ -210,9 +301,10 @@ class LongStrawEngine:
     prompt_gradient: Literal["detach", "exact"] = "detach"
     prompt_state_dtype: Literal["auto", "float8_e4m3fn"] = "auto"
     routing: MoeRouting | None = None
+    distribution: Distribution = field(default_factory=Local)
 
     @staticmethod
-    def _device(model: nn.Module) -> torch.device:
+    def device(model: nn.Module) -> torch.device:
         return model.get_input_embeddings().weight.device
 
     def empty_state(
@@ -237,28 +329,22 @@ class LongStrawEngine:
             **extra,
         )
         if self.routing is not None:
-            state.router_load = RouterLoad.zeros(self.routing, self._device(model))
+            state.router_load = RouterLoad.zeros(self.routing, self.device(model))
         return state
 
     @torch.no_grad()
     def capture(self, model: nn.Module, prompt_ids: torch.Tensor, first_position: int) -> PromptState:
-        """Run all but the last of `prompt_ids` (1-D, real tokens only) without autograd and keep their state."""
+        """Run all but the last of `prompt_ids` (1-D, real tokens only) without autograd and keep their state (the
+        distribution's capture: on this process, or the prompt's chunks across a context-parallel group)."""
         check_prepared(model)
-        num_tokens = prompt_ids.numel() - 1
-        state = self.empty_state(model, num_tokens, first_position)
-        for chunk_index, start in enumerate(range(0, num_tokens, self.prefill_chunk_size)):
-            end = min(start + self.prefill_chunk_size, num_tokens)
-            _, load, _ = self._backbone_forward(model, state, "capture", prompt_ids[start:end], start, chunk_index)
-            state.add_router_load(load)
-        state.check_captured()
-        return state
+        return self.distribution.capture(self, model, prompt_ids, first_position)
 
-    def _backbone_forward(
+    def backbone_forward(
         self, model, state, mode, token_ids, start, chunk_index
     ) -> tuple[StateAccess, RouterLoad | None, object]:
         """One prompt chunk through the decoder stack (capture, or exact-mode recompute), pages read up to `start`:
         the access, with `routing` the chunk's router load (with its graph when recomputing), and the outputs."""
-        device = self._device(model)
+        device = self.device(model)
         first_position = state.start_position + start
         positions, position_ids = absolute_positions(first_position, token_ids.numel(), device)
         access = StateAccess(
@@ -287,7 +373,7 @@ class LongStrawEngine:
             return access, None, outputs
         return access, RouterLoad.of(outputs.router_logits, self.routing, torch.ones_like(position_ids)), outputs
 
-    def _member_forward(self, model, state, last_prompt_token, completions, lengths):
+    def member_forward(self, model, state, last_prompt_token, completions, lengths):
         """Log-probs and entropies of `completions [n, T]` (right-padded; `lengths [n]` real tokens) given the state,
         and with `routing` the router load of the members' tokens (the last prompt token and their real tokens, as
         stock's rows count them), else None.
@@ -298,7 +384,7 @@ class LongStrawEngine:
         tokens is fed one masked token (its last prompt token's routing counts).
         """
         state.check_fresh(weights_version(model))
-        device = self._device(model)
+        device = self.device(model)
         width = max(int(lengths.max()), 1)
         completions = completions[:, :width].to(device)
         real = torch.arange(width, device=device)[None, :] < lengths.to(device)[:, None]
@@ -330,7 +416,6 @@ class LongStrawEngine:
             load = RouterLoad.of(router_logits[-1], self.routing, routed_tokens)
         return outputs.log_probs[:, :width], entropies, load
 
-    @torch.no_grad()
     def score(
         self,
         model: nn.Module,
@@ -341,32 +426,18 @@ class LongStrawEngine:
         batch_size: int,
         router_load: bool = False,
     ):
-        """No-grad log-probs (and entropies, if the head computes them) of every member, `batch_size` at a time.
+        """No-grad log-probs (and entropies, if the head computes them) of every member, `batch_size` at a time
+        (under context parallelism each rank its own members, one at a time, every rank getting every member's).
 
         Returns `[n, completions.shape[1]]` tensors, zero past each member's length, like `GRPOTrainer`'s; with
         `router_load` (needs `routing`), also the members' [`RouterLoad`] (without the captured prompt's).
         """
         if router_load and self.routing is None:
             raise ValueError("router_load=True needs an engine built with the model's routing")
-        logps = entropies = load = None
-        for start in range(0, len(completions), batch_size):
-            rows = slice(start, start + batch_size)
-            if int(lengths[rows].max()) == 0 and self.routing is None:
-                continue
-            chunk_logps, chunk_entropies, chunk_load = self._member_forward(
-                model, state, last_prompt_token, completions[rows], lengths[rows]
+        with torch.no_grad():
+            return self.distribution.score(
+                self, model, state, last_prompt_token, completions, lengths, batch_size, router_load
             )
-            load = chunk_load if load is None else load + chunk_load
-            width = chunk_logps.shape[1]
-            if logps is None:
-                logps = chunk_logps.new_zeros(completions.shape)
-                entropies = None if chunk_entropies is None else chunk_entropies.new_zeros(completions.shape)
-            logps[rows, :width] = chunk_logps
-            if entropies is not None:
-                entropies[rows, :width] = chunk_entropies
-        if logps is None:  # every member is empty (e.g. all truncated and masked)
-            logps = torch.zeros(completions.shape, device=self._device(model))
-        return (logps, entropies, load) if router_load else (logps, entropies)
 
     def replay(
         self,
@@ -381,7 +452,7 @@ class LongStrawEngine:
         `router_load` (needs `routing`), also the member's [`RouterLoad`], its probabilities connected too."""
         if router_load and self.routing is None:
             raise ValueError("router_load=True needs an engine built with the model's routing")
-        logps, entropies, load = self._member_forward(
+        logps, entropies, load = self.member_forward(
             model, state, last_prompt_token, completion[None], torch.tensor([length])
         )
         logps, entropies = logps[0, :length], None if entropies is None else entropies[0, :length]
@@ -399,20 +470,20 @@ class LongStrawEngine:
         router_weights: torch.Tensor | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> ReplayedMembers:
-        """The update of one group's members against its state: each member this process replays (`members`), one at a
+        """The update of one group's members against its state: each member this process replays (`Distribution.members`), one at a
         time under autograd (in `autocast()`), back-propagating its share of the loss's gradient (`grad_logps`,
         `grad_entropies` `[members, T]`; with `router_weights`, the load-balancing loss's through its tokens' routing).
 
         `completions [members, T]` with `lengths` real tokens each. A member without tokens is skipped unless the
-        load-balancing loss reads its last prompt token's routing; under `lockstep` a round without a member of this
+        load-balancing loss reads its last prompt token's routing; under a `lockstep` distribution a round without a member of this
         process runs a `stand_in`. Under reentrant activation checkpointing the router logits carry no graph (in stock
         too, whose loss then gets none of this gradient): the load-balancing loss adds nothing, with a warning.
         """
         finite, replayed, routing_detached = [], [], False
-        for member in self.members(len(lengths)):
+        for member in self.distribution.members(len(lengths)):
             length = 0 if member is None else lengths[member]
             if member is None or (length == 0 and router_weights is None):
-                if self.lockstep:  # a round without a member of this process's: in step anyway
+                if self.distribution.lockstep:  # a round without a member of this process's: in step anyway
                     self.stand_in(model, state, last_prompt_token, completions[0])
                 continue
             with autocast():
@@ -457,7 +528,7 @@ class LongStrawEngine:
         extended here) and return the fp32 logits `[rows, vocab]` of each row's next token, as `generate` takes them.
         """
         state.check_fresh(weights_version(model))
-        device = self._device(model)
+        device = self.device(model)
         first_position = suffix.first_position + suffix.length
         positions, position_ids = absolute_positions(first_position, token_ids.shape[1], device)
         access = StateAccess(
@@ -479,19 +550,6 @@ class LongStrawEngine:
         suffix.advance(token_ids.shape[1])
         return outputs.logits[:, -1].to(dtype=torch.float32, copy=True)
 
-    # Whether the processes sharing a prompt state run every score and replay together (context parallelism): then a
-    # round where one has no member runs a `stand_in`.
-    lockstep = False
-
-    def members(self, count: int) -> list[int | None]:
-        """The members of a group of `count` this process scores or replays, in order (here: all of them)."""
-        return list(range(count))
-
-    def agree(self, decision: torch.Tensor) -> torch.Tensor:
-        """A rollout step's decision (its sampled tokens, the rows still unfinished) as every process decoding these
-        rows must take it (here: as given; under context parallelism, the first rank's)."""
-        return decision
-
     def backward_prompt(
         self,
         model: nn.Module,
@@ -501,25 +559,16 @@ class LongStrawEngine:
     ) -> None:
         """Exact mode: push the gradient accumulated on the state leaves into the parameters, and with
         `router_weights` (`[experts]`, see `RouterLoad.weights`) the load-balancing loss's gradient through the
-        prompt tokens' routing.
-
-        Chunks are recomputed under autograd in reverse order: chunk c reads the pages of chunks < c as leaves, so
-        its backward adds to their gradients before they are themselves recomputed. Peak memory is one chunk's graph
-        plus the state-sized gradient.
-        """
+        prompt tokens' routing: the prompt's chunks recomputed under autograd in reverse (the distribution's order)."""
         state.check_fresh(weights_version(model))
         with no_layer_checkpointing(model), torch.enable_grad():
-            starts = list(range(0, state.num_tokens, self.prefill_chunk_size))
-            for chunk_index in reversed(range(len(starts))):
-                start = starts[chunk_index]
-                end = min(start + self.prefill_chunk_size, state.num_tokens)
-                self._recompute_chunk(model, state, prompt_ids, start, end, chunk_index, router_weights)
+            self.distribution.backward_prompt(self, model, state, prompt_ids, router_weights)
 
-    def _recompute_chunk(self, model, state, prompt_ids, start, end, chunk_index, router_weights) -> None:
+    def recompute_chunk(self, model, state, prompt_ids, start, end, chunk_index, router_weights) -> None:
         """One chunk of the prompt backward: recompute prompt tokens `start .. end - 1` (capture chunk `chunk_index`
         of this process's state) under autograd and push the gradient its state entries accumulated (and with
         `router_weights` the load-balancing loss's share through its routing) into the parameters."""
-        access, load, outputs = self._backbone_forward(
+        access, load, outputs = self.backbone_forward(
             model, state, "recompute", prompt_ids[start:end], start, chunk_index
         )
         entries = (state.local_prefix(start), state.local_prefix(end))  # the chunk's entries held here

@@ -198,11 +198,13 @@ def decode(
             next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         else:
             next_tokens = torch.argmax(scores, dim=-1)
-        next_tokens = engine.agree(next_tokens)
+        next_tokens = engine.distribution.agree(next_tokens)
         if sampling.stops_at_eos:
             next_tokens = next_tokens * unfinished + sampling.pad_token_id * (1 - unfinished)
         input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-        unfinished = engine.agree(unfinished & ~sampling.stopping_criteria(input_ids, ()))  # (max_time: per rank)
+        unfinished = engine.distribution.agree(
+            unfinished & ~sampling.stopping_criteria(input_ids, ())
+        )  # (max_time: per rank)
         if int(unfinished.max()) == 0:
             break
         inputs = [next_tokens[rows, None] for rows in row_index]

@@ -32,17 +32,17 @@ from .architectures import check_supported, model_skeleton
 from .callbacks import OptimizerStepCallback, PhaseChartsCallback
 from .config import FP16_REFUSED, LongStrawGRPOConfig
 from .context_parallel import (
-    ContextParallelEngine,
     SharedRowsSampler,
     build_context_parallel_group,
     check_prompt_length,
     check_same_rewards,
     check_same_rows,
+    distribution_over,
     leader_rows,
     share_leader_inputs,
 )
 from .distributed import average_gradients
-from .engine import prepare_model, stock_attention, weights_version
+from .engine import LongStrawEngine, prepare_model, stock_attention, weights_version
 from .faults import OutputFiniteness, collective, first_non_finite_gradient, in_phase, warn_non_finite
 from .fsdp import (
     ShardedPasses,
@@ -185,14 +185,14 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             if args.context_parallel_size > 1
             else None
         )
-        self.engine = ContextParallelEngine(
+        self.engine = LongStrawEngine(
             prefill_chunk_size=args.prefill_chunk_size,
             attention_chunk_size=args.attention_chunk_size,
             state_device=state_device,
             prompt_gradient=args.prompt_gradient,
             prompt_state_dtype=args.prompt_state_dtype,
             routing=routing,
-            context_parallel=self._context_parallel,
+            distribution=distribution_over(self._context_parallel),
         )
         self._telemetry = PhaseTelemetry(
             model_devices(self._causal_lm(self.model)),  # every GPU the weights occupy (several under `device_map`)

@@ -13,7 +13,7 @@ concept per module:
 | `merge.py` | the log-sum-exp merge of partials (on one rank, across the group), the DSA top-k merge |
 | `protocol.py` | the protocol's version, compared across the group before its first capture |
 | `state.py` | `ShardedPromptState`: a rank's chunks, the step attention and top-k calls, the recurrent hand-offs |
-| `engine.py` | `ContextParallelEngine`: the capture's and recompute's steps, each rank's members, rollout decisions |
+| `distribution.py` | `ContextParallel`, the engine's distribution: the capture's and recompute's steps, each rank's members, rollout decisions |
 | `data.py` | the trainer's data side: the group's ranks train on the same rows; refusals before any hang |
 
 Capture: step by step, every rank capturing its chunk of the step at once, layer by layer: at each attention (or
@@ -29,7 +29,7 @@ reverse the same way, under autograd: the step attention's backward gives the pa
 where they live (before they are recomputed), and a chunk's starting recurrent states hand their gradient back to the
 previous chunk's holder, layer by layer as the backward reaches them.
 
-Scoring and replay: every rank scores and replays its own members (`ContextParallelEngine.members`: member
+Scoring and replay: every rank scores and replays its own members (`ContextParallel.members`: member
 `round * cp + rank`, a stand-in where the last round has fewer), attending over every rank's pages with the same step
 attention (no chunks): each rank computes every rank's rows over its pages and its own rows over their own keys.
 Scores are all-gathered, so every rank holds every member's log-probs; each rank's backward adds its members' part of
@@ -45,7 +45,7 @@ than in one process, as between two chunkings of one process.
 
 Rollouts (`rollout_from_prompt_state`): every rank decodes the group's rows in lockstep against its pages, each rank
 keeping the rows' own decoded entries (counted on rank 0), merged across the group; each step's sampled tokens and
-stopping decisions are rank 0's (`ContextParallelEngine.agree`), so the ranks never drift apart.
+stopping decisions are rank 0's (`ContextParallel.agree`), so the ranks never drift apart.
 
 Communication: `step.py` gives the elements per layer and token of each step and row forward and backward;
 `COMMUNICATION` counts what actually went through the collectives (benchmarks/context_parallel.py checks one against
@@ -59,7 +59,7 @@ from .communication import (
     communication_device,
 )
 from .data import SharedRowsSampler, check_same_rewards, check_same_rows, leader_rows, share_leader_inputs
-from .engine import ContextParallelEngine
+from .distribution import ContextParallel, distribution_over
 from .merge import merge_across, merge_topk
 from .protocol import check_protocol
 from .sharding import ContextParallelError, ShardLayout, capture_attention_pairs, check_prompt_length
@@ -68,7 +68,7 @@ from .step import StepAttention, StepCall
 
 __all__ = [
     "COMMUNICATION",
-    "ContextParallelEngine",
+    "ContextParallel",
     "ContextParallelError",
     "ContextParallelGroup",
     "ShardLayout",
@@ -83,6 +83,7 @@ __all__ = [
     "check_same_rewards",
     "check_same_rows",
     "communication_device",
+    "distribution_over",
     "leader_rows",
     "merge_across",
     "merge_topk",

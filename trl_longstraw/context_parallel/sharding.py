@@ -4,7 +4,7 @@ The captured tokens are cut into `steps x cp` chunks of about `prefill_chunk_siz
 one, so that every rank gets one chunk per step), and step s's chunks are dealt to the ranks in order on even steps and
 in reverse order on odd ones (zigzag): rank r holds chunk `s cp + r` (s even) or `s cp + cp - 1 - r` (s odd). Why:
 
-- The capture runs step by step with every rank capturing its chunk of the step at once (`ContextParallelEngine`):
+- The capture runs step by step with every rank capturing its chunk of the step at once (`ContextParallel`):
   a chunk reads only earlier chunks, which are either earlier steps' (pages, on every rank alike) or the step's own
   earlier chunks, so all ranks of a group work at the same time, layer by layer.
 - Every rank holds one chunk per step, so the pages every step's queries read are spread evenly: each rank computes

@@ -13,7 +13,7 @@ backward would hand them over.
 Every setting the planner takes is honoured as the trainer honours it: the model's dtype and autocast, NF4 weights
 (bitsandbytes' `Linear4bit`, quantised on the device), LoRA by PEFT (adapters in bf16 on a quantised model, as TRL casts
 them), activation checkpointing, fp8 prompt-state pages and host-resident state, the chunk sizes, context parallelism
-(`ContextParallelEngine` on its CP group) and FSDP2 (`fully_shard_model`, kept in step by `ShardedPasses`). AdamW's
+(the engine's `ContextParallel` distribution on its CP group) and FSDP2 (`fully_shard_model`, kept in step by `ShardedPasses`). AdamW's
 state exists before the update, as a previous step left it (one warm-up step of zero gradients, in the phase
 `optimizer_state`). In a world of several ranks the process plays one rank; the others are the simulated world's
 (`world.py`).
@@ -294,8 +294,8 @@ class GroupUpdate:
         from transformers import GenerationConfig
         from trl.trainer.utils import add_fused_lm_head
 
-        from ..context_parallel import ContextParallelEngine, build_context_parallel_group
-        from ..engine import prepare_model
+        from ..context_parallel import build_context_parallel_group, distribution_over
+        from ..engine import LongStrawEngine, prepare_model
         from ..fsdp import ShardedPasses, fully_shard_model, keep_4bit_layout, sharded_mesh_group
 
         self.spec, self.setup, self.model, self.causal_lm = spec, setup, model, causal_lm
@@ -315,13 +315,13 @@ class GroupUpdate:
         if spec.weight_shards > 1:
             self.sharded = ShardedPasses(causal_lm, device, sharded_mesh_group(causal_lm), spec.context_parallel)
         group = build_context_parallel_group(spec.context_parallel) if spec.context_parallel > 1 else None
-        self.engine = ContextParallelEngine(
+        self.engine = LongStrawEngine(
             prefill_chunk_size=setup.prefill_chunk_size,
             attention_chunk_size=setup.attention_chunk_size,
             state_device=torch.device("cpu") if setup.state_device == "cpu" else None,
             prompt_gradient=spec.prompt_gradient,
             prompt_state_dtype=setup.state_dtype,
-            context_parallel=group,
+            distribution=distribution_over(group),
         )
         self.optimizer = _optimizer(model, device)
         self.generation = GenerationConfig(max_new_tokens=max(spec.decode_steps, 1), do_sample=True, temperature=1.0)
@@ -377,7 +377,7 @@ class GroupUpdate:
         completions = torch.randint(vocab, (group, setup.completion_tokens), generator=generator).to(self.device)
         lengths = [setup.completion_tokens] * group
         chunks = -(-(setup.prompt_tokens - 1) // setup.prefill_chunk_size)
-        members = len(engine.members(group))
+        members = len(engine.distribution.members(group))
         last = prompt[-1:]
         state = None
         if spec.decode_steps:
