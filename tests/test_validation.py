@@ -1,5 +1,6 @@
 """Bad input fails before expensive work, with an error that names the field and the fix."""
 
+import dataclasses
 import json
 import os
 
@@ -186,7 +187,10 @@ def test_an_eval_dataset_handed_to_evaluate_is_checked_under_context_parallelism
     from types import SimpleNamespace
 
     trainer = make_trainer(LongStrawGRPOTrainer, build_model("qwen3"), tokenizer, prompt_dataset, tmp_path)
-    trainer._context_parallel = SimpleNamespace(size=2)  # the check alone: one process cannot build a CP group
+    # the check alone: one process cannot build a CP group
+    trainer.parallel_layout = dataclasses.replace(
+        trainer.parallel_layout, context_parallel=2, cp_group=SimpleNamespace()
+    )
     with pytest.raises(ValueError, match="context_parallel_size=2 with an iterable eval dataset"):
         trainer.get_eval_dataloader(prompt_dataset.to_iterable_dataset())
 

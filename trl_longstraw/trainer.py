@@ -33,7 +33,6 @@ from .callbacks import OptimizerStepCallback, PhaseChartsCallback
 from .config import FP16_REFUSED, LongStrawGRPOConfig
 from .context_parallel import (
     SharedRowsSampler,
-    build_context_parallel_group,
     check_prompt_length,
     check_same_rewards,
     check_same_rows,
@@ -49,12 +48,11 @@ from .fsdp import (
     check_weights_loaded,
     load_sharded_kwargs,
     parallelize,
-    shard_count,
-    sharded_mesh_group,
 )
 from .groups import KeptPromptState, PromptGroup, group_rows_by_prompt
 from .load_balancing import moe_routing
 from .loss import member_backward, replayed_scores
+from .parallel_layout import ParallelLayout
 from .plan import explain_out_of_memory, memory_budget, plan_at_construction, trainer_setup
 from .preemption import PreemptionCallback
 from .preflight import check_capture_matches_own_forward, positions_follow_mask
@@ -170,21 +168,23 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         # own, and how the model numbers positions.
         check_capture_matches_own_forward(self._causal_lm(self.model))
         self._positions_follow_mask = positions_follow_mask(self._causal_lm(self.model))
+        # How the ranks divide the work (parallel_layout.py): CP groups, data parallelism, FSDP2's mesh.
+        self.parallel_layout = ParallelLayout.build(
+            args.context_parallel_size, policy, timedelta(seconds=args.ddp_timeout)
+        )
         # Every rank ran the same pre-flight passes; from here on the ranks holding shards agree pass by pass.
         self._sharded = (
             ShardedPasses(
-                policy, self.accelerator.device, sharded_mesh_group(policy), args.context_parallel_size, adapter_units
+                policy,
+                self.accelerator.device,
+                self.parallel_layout.shard_group,
+                self.parallel_layout.context_parallel,
+                adapter_units,
             )
             if adapter_units is not None
             else None
         )
         state_device = None if args.prompt_state_device == "auto" else torch.device(args.prompt_state_device)
-        # Context parallelism (the context_parallel package): None, or this rank's CP group.
-        self._context_parallel = (
-            build_context_parallel_group(args.context_parallel_size, timedelta(seconds=args.ddp_timeout))
-            if args.context_parallel_size > 1
-            else None
-        )
         self.engine = LongStrawEngine(
             prefill_chunk_size=args.prefill_chunk_size,
             attention_chunk_size=args.attention_chunk_size,
@@ -192,7 +192,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             prompt_gradient=args.prompt_gradient,
             prompt_state_dtype=args.prompt_state_dtype,
             routing=routing,
-            distribution=distribution_over(self._context_parallel),
+            distribution=distribution_over(self.parallel_layout.cp_group),
         )
         self._telemetry = PhaseTelemetry(
             model_devices(self._causal_lm(self.model)),  # every GPU the weights occupy (several under `device_map`)
@@ -207,9 +207,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._reached: list[torch.nn.Parameter] | None = None
         self.rollout_from_prompt_state = self._resolve_rollout(args)
         self._warned_own_generate = False
-        if self._context_parallel is not None and self.eval_dataset is not None:  # refused now, not when evaluating
+        if (
+            self.parallel_layout.cp_group is not None and self.eval_dataset is not None
+        ):  # refused now, not when evaluating
             for dataset in self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]:
-                check_eval_dataset(dataset, args.context_parallel_size, args, self.num_generations_eval)
+                check_eval_dataset(dataset, self.parallel_layout.context_parallel, args, self.num_generations_eval)
         self.add_callback(OptimizerStepCallback(self._phase, self._after_optimizer_step))
         self.add_callback(PhaseChartsCallback(self._memory_plan))
         self.add_callback(PreemptionCallback())
@@ -319,11 +321,11 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             causal_lm.config,
             setup,
             phase,
-            args.context_parallel_size,
+            self.parallel_layout.context_parallel,
             memory_budget(device, args.memory_plan_device_gib),
             args.per_device_train_batch_size,
             exact=args.prompt_gradient == "exact",
-            weight_shards=shard_count(causal_lm),
+            weight_shards=self.parallel_layout.weight_shards,
         )
 
     def _after_optimizer_step(self) -> None:
@@ -550,8 +552,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     self._check_gradients()
                 return
             self._give_every_reached_parameter_a_gradient(causal_lm, groups, completion_ids, replayed)
-            if self.accelerator.sync_gradients:  # over every rank (under CP too: `build_context_parallel_group`)
-                average_gradients(self._reached, shares=self.args.context_parallel_size)
+            if self.accelerator.sync_gradients:  # over every rank (under CP too: `ParallelLayout`)
+                average_gradients(self._reached, shares=self.parallel_layout.context_parallel)
                 self._check_gradients()  # reduced, before the Trainer's clipping spreads a NaN to every gradient
 
     def _give_every_reached_parameter_a_gradient(self, causal_lm, groups, completion_ids, replayed: bool) -> None:
@@ -606,8 +608,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         is generated."""
         prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
         check_positions(self.model.config, self.args, prompt_width=max(len(ids) for ids in prompt_ids))
-        if self._context_parallel is not None:  # a prompt shorter than the CP group cannot be sharded
-            check_prompt_length(min(len(ids) for ids in prompt_ids), self._context_parallel.size)
+        if self.parallel_layout.cp_group is not None:  # a prompt shorter than the CP group cannot be sharded
+            check_prompt_length(min(len(ids) for ids in prompt_ids), self.parallel_layout.context_parallel)
         return prompt_ids, images, multimodal_fields
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -654,8 +656,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         tool_turn = self._first_turn is not None
         if not tool_turn:
             self._kept.invalidate()
-        if self._context_parallel is not None and self.tools:  # tool results are computed by each rank itself
-            check_same_rows(prompt_ids, self._context_parallel)
+        if self.parallel_layout.cp_group is not None and self.tools:  # tool results are computed by each rank itself
+            check_same_rows(prompt_ids, self.parallel_layout.cp_group)
         with (
             unwrap_model_for_generation(
                 self.model_wrapped,
@@ -732,18 +734,18 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _get_train_sampler(self, dataset=None):
         """TRL's sampler; under context parallelism one set of rows per CP group (`SharedRowsSampler`)."""
         sampler = super()._get_train_sampler(dataset)
-        if self._context_parallel is None:
+        if self.parallel_layout.cp_group is None:
             return sampler
         rows_per_rank = self._train_batch_size * self.args.steps_per_generation  # one rank's dataloader batch
-        return SharedRowsSampler(sampler, rows_per_rank, self._context_parallel.size)
+        return SharedRowsSampler(sampler, rows_per_rank, self.parallel_layout.context_parallel)
 
     def get_eval_dataloader(self, eval_dataset=None):
         """TRL's; under context parallelism the eval set is checked first (`validation.check_eval_dataset`)."""
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-        if self._context_parallel is not None and dataset is not None:  # none at all: TRL's own error
+        if self.parallel_layout.cp_group is not None and dataset is not None:  # none at all: TRL's own error
             check_eval_dataset(
                 self.eval_dataset[dataset] if isinstance(dataset, str) else dataset,
-                self._context_parallel.size,
+                self.parallel_layout.context_parallel,
                 self.args,
                 self.num_generations_eval,
             )
@@ -752,32 +754,33 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _get_eval_sampler(self, eval_dataset):
         """TRL's sampler; under context parallelism one set of rows per CP group, as in training."""
         sampler = super()._get_eval_sampler(eval_dataset)
-        if self._context_parallel is None:
+        if self.parallel_layout.cp_group is None:
             return sampler
-        return SharedRowsSampler(sampler, self.args.per_device_eval_batch_size, self._context_parallel.size)
+        return SharedRowsSampler(sampler, self.args.per_device_eval_batch_size, self.parallel_layout.context_parallel)
 
     def _generate_and_score_completions(self, inputs):
         self._kept.invalidate()  # generation needs the memory, and the weights may have moved since
-        if self._context_parallel is not None:  # a CP group shares its prompts, so it must share its rows
-            inputs = share_leader_inputs(inputs, self._context_parallel)
+        if self.parallel_layout.cp_group is not None:  # a CP group shares its prompts, so it must share its rows
+            inputs = share_leader_inputs(inputs, self.parallel_layout.cp_group)
         return super()._generate_and_score_completions(inputs)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         """GRPOTrainer's rewards of every rank; under context parallelism the copies of a CP group must agree
         (`check_same_rewards`)."""
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self._context_parallel is not None:
-            check_same_rewards(rewards, self._context_parallel, len(prompts))
+        if self.parallel_layout.cp_group is not None:
+            check_same_rewards(rewards, self.parallel_layout.cp_group, len(prompts))
         return rewards
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """GRPOTrainer's mask of the tokens at or above the entropy quantile `threshold` over every rank's tokens,
         each row counted once: under context parallelism a CP group's ranks hold the same rows, and a quantile over
         every copy would move its interpolation point, so only a CP group's first rank contributes its tokens."""
-        # GRPOTrainer's own tests call this on a bare `Mock(spec=GRPOTrainer)`, which has no `_context_parallel`.
-        if getattr(self, "_context_parallel", None) is None:
+        # GRPOTrainer's own tests call this on a bare `Mock(spec=GRPOTrainer)`, which has no `parallel_layout`.
+        cp_group = getattr(getattr(self, "parallel_layout", None), "cp_group", None)
+        if cp_group is None:
             return super().get_high_entropy_mask(entropies, mask, threshold)
-        local = leader_rows(entropies[mask.bool()].float(), self._context_parallel)
+        local = leader_rows(entropies[mask.bool()].float(), cp_group)
         pad_value = -1e9  # entropies are never negative: a sentinel for the padding across processes, as in TRL
         gathered = self.accelerator.gather(self.accelerator.pad_across_processes(local, dim=0, pad_index=pad_value))
         gathered = gathered[gathered != pad_value]

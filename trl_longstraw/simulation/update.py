@@ -294,9 +294,10 @@ class GroupUpdate:
         from transformers import GenerationConfig
         from trl.trainer.utils import add_fused_lm_head
 
-        from ..context_parallel import build_context_parallel_group, distribution_over
+        from ..context_parallel import distribution_over
         from ..engine import LongStrawEngine, prepare_model
-        from ..fsdp import ShardedPasses, fully_shard_model, keep_4bit_layout, sharded_mesh_group
+        from ..fsdp import ShardedPasses, parallelize
+        from ..parallel_layout import ParallelLayout
 
         self.spec, self.setup, self.model, self.causal_lm = spec, setup, model, causal_lm
         self.device, self.tracker, self.progress = device, tracker, progress
@@ -306,22 +307,22 @@ class GroupUpdate:
             if model is not causal_lm:
                 model.enable_input_require_grads()
             causal_lm.activation_checkpointing_enable()
-        self.sharded = None
-        if spec.weight_shards > 1:
-            keep_4bit_layout(causal_lm)
-            fully_shard_model(causal_lm)
+        adapter_units = parallelize(causal_lm, spec.weight_shards > 1, None)  # as the trainer shards (fsdp.py)
         prepare_model(causal_lm)
         causal_lm.register_forward_pre_hook(progress.forward)
-        if spec.weight_shards > 1:
-            self.sharded = ShardedPasses(causal_lm, device, sharded_mesh_group(causal_lm), spec.context_parallel)
-        group = build_context_parallel_group(spec.context_parallel) if spec.context_parallel > 1 else None
+        layout = ParallelLayout.build(spec.context_parallel, causal_lm)
+        self.sharded = (
+            None
+            if adapter_units is None
+            else ShardedPasses(causal_lm, device, layout.shard_group, layout.context_parallel, adapter_units)
+        )
         self.engine = LongStrawEngine(
             prefill_chunk_size=setup.prefill_chunk_size,
             attention_chunk_size=setup.attention_chunk_size,
             state_device=torch.device("cpu") if setup.state_device == "cpu" else None,
             prompt_gradient=spec.prompt_gradient,
             prompt_state_dtype=setup.state_dtype,
-            distribution=distribution_over(group),
+            distribution=distribution_over(layout.cp_group),
         )
         self.optimizer = _optimizer(model, device)
         self.generation = GenerationConfig(max_new_tokens=max(spec.decode_steps, 1), do_sample=True, temperature=1.0)
