@@ -19,6 +19,7 @@ from trl_longstraw.accounting import (
     prompt_state_bytes,
     replay_graph_account,
     stock_activation_bytes,
+    under_context_parallelism,
     update_account,
     weight_account,
 )
@@ -54,6 +55,24 @@ def test_a_chunked_layers_fixed_bytes_are_its_fullest_chunk():
     state = LongStrawEngine(64, 16).capture(model, prompt, first_position=0)
     assert [layer.length for layer in state.layers] == [7, 7, 7, 15]
     assert prompt_state_account(model.config, dtype_bytes=4, exact=False).bytes(15) == state.nbytes()
+
+
+@pytest.mark.parametrize(
+    "family, held",
+    [
+        ("qwen3_5", {"full_attention": "split", "gated_deltanet": "replicated"}),
+        ("nemotron_h", {"full_attention": "split", "mamba2": "replicated"}),
+        ("olmo3", {"full_attention": "split", "sliding_attention": "replicated"}),
+        ("glm_moe_dsa", {"mla_latent": "split", "dsa_indexer_keys": "split"}),
+    ],
+)
+def test_each_state_kind_says_how_context_parallelism_holds_it(family, held):
+    """The planner's split / replicated / refused comes from the kinds (`LayerState.under_context_parallelism`)."""
+    assert under_context_parallelism(tiny_config(family)) == held
+
+
+def test_a_layer_type_context_parallelism_does_not_shard_is_refused_by_its_kind():
+    assert under_context_parallelism(chunked_attention_model(chunk_size=8).config)["chunked_attention"] == "refused"
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "mistral", "qwen3"])

@@ -45,10 +45,6 @@ logger = logging.get_logger(__name__)
 
 GIB = 1024**3
 ARCHITECTURES = Path(__file__).resolve().parent.parent / "configs" / "architectures"
-# State labels (`LayerState.account`) context parallelism shards by sequence, and those it refuses; every other label
-# (fixed-size recurrent states, sliding windows) is replicated on every rank.
-SHARDED_UNDER_CP = ("full_attention", "mla_latent", "dsa_indexer_keys")
-REFUSED_UNDER_CP = ("chunked_attention",)
 SMALLEST_CHUNK = 512  # chunk sizes the suggestions go down to
 LARGEST_CONTEXT_PARALLEL = 64
 
@@ -245,9 +241,10 @@ def plan_run(
     layout = ShardLayout.of(captured, context_parallel, setup.prefill_chunk_size)
     shard = max(layout.held_tokens(rank) for rank in range(context_parallel))
     per_shard = prompt_state_bytes(config, shard, setup.dtype_bytes, setup.state_dtype)
-    sharded = sum(n for label, n in per_shard.items() if label in SHARDED_UNDER_CP)
-    replicated = sum(n for label, n in account.state.items() if label not in SHARDED_UNDER_CP)
-    refused = tuple(label for label in account.state if label in REFUSED_UNDER_CP) if context_parallel > 1 else ()
+    held = account.state_under_context_parallelism  # each label as its state kinds answer
+    sharded = sum(n for label, n in per_shard.items() if held[label] == "split")
+    replicated = sum(n for label, n in account.state.items() if held[label] != "split")
+    refused = tuple(label for label in account.state if held[label] == "refused") if context_parallel > 1 else ()
     trainable = account.lora.bytes if account.lora else full_fine_tuning_bytes(account)
     gathered = gathered_weight_bytes(config, account, setup.dtype_bytes) if weight_shards > 1 else 0
     # stock under FSDP2 shards the same bytes and gathers the same modules

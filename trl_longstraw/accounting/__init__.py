@@ -7,6 +7,7 @@ from .prompt_state import (
     prompt_state_account,
     prompt_state_bytes,
     stock_activation_bytes,
+    under_context_parallelism,
 )
 from .update import (
     GraphAccount,
@@ -39,6 +40,7 @@ __all__ = [
     "replay_graph_account",
     "step_attention_bytes",
     "stock_activation_bytes",
+    "under_context_parallelism",
     "update_account",
     "weight_account",
 ]

@@ -20,6 +20,7 @@ several times more). These are computed, not measured: the measured peaks are th
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -40,13 +41,15 @@ def skeleton_of(model_or_config: nn.Module | PretrainedConfig, trust_remote_code
 def layer_accounts(
     plans: list[LayerPlan], config: PretrainedConfig, dtype_bytes: int, exact: bool, fp8_pages: bool = False
 ) -> list[LayerAccount]:
-    """Every kind's account of every layer, in layer order, leaving out the kinds that keep nothing."""
+    """Every kind's account of every layer, in layer order, leaving out the kinds that keep nothing; each says how
+    context parallelism holds it (`LayerState.under_context_parallelism`)."""
     parts = []
     for plan in plans:
         for kind, mixer in plan.kinds:
             part = kind.account(mixer, config, plan.layer_type, dtype_bytes, exact, fp8_pages)
             if part is not None:
-                parts.append(part)
+                role = kind.under_context_parallelism(plan.layer_type, part)
+                parts.append(dataclasses.replace(part, under_context_parallelism=role))
     return parts
 
 
@@ -148,3 +151,16 @@ def prompt_state_bytes(
     for part in layer_accounts(plans, skeleton.config.get_text_config(), dtype_bytes, exact, fp8_pages):
         by_label[part.label] = by_label.get(part.label, 0) + part.bytes(num_tokens, prefill_chunk_size)
     return by_label
+
+
+def under_context_parallelism(config: PretrainedConfig | nn.Module, trust_remote_code: bool = False) -> dict[str, str]:
+    """How context parallelism holds each state label of `config` ("split", "replicated" or "refused"), as its state
+    kinds answer (`LayerState.under_context_parallelism`); a label two answers share is as held as its most
+    constrained layer ("refused" over "replicated" over "split")."""
+    skeleton = skeleton_of(config, trust_remote_code)
+    order = ("split", "replicated", "refused")
+    roles: dict[str, str] = {}
+    for part in layer_accounts(check_supported(skeleton), skeleton.config.get_text_config(), 2, exact=False):
+        role = part.under_context_parallelism
+        roles[part.label] = max(roles.get(part.label, role), role, key=order.index)
+    return roles

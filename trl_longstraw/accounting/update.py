@@ -18,7 +18,7 @@ What is not modelled at all: the CUDA context and the caching allocator's fragme
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from torch import nn
@@ -26,7 +26,7 @@ from transformers import PretrainedConfig
 
 from ..architectures import check_supported, model_skeleton
 from ..state.registry import decoder_layers
-from .prompt_state import prompt_state_bytes, skeleton_of
+from .prompt_state import prompt_state_bytes, skeleton_of, under_context_parallelism
 
 NF4_BLOCKSIZE = 64  # bitsandbytes' default 4-bit blocksize (BitsAndBytesConfig has no blocksize field)
 NF4_CODE_VALUES = 16  # the NF4 code book, fp32, one copy per quantised weight (bitsandbytes builds it per weight)
@@ -409,6 +409,8 @@ class UpdateAccount:
     capture: GraphAccount
     group_scalars: int
     decoded_row: int  # one rollout row's decoded tokens (`Suffix`): R tokens' entries and its recurrent states
+    # how context parallelism holds each `state` label, as its kinds answer: "split", "replicated" or "refused"
+    state_under_context_parallelism: dict[str, str] = field(default_factory=dict)
 
     @property
     def state_bytes(self) -> int:
@@ -472,4 +474,5 @@ def update_account(config: PretrainedConfig, setup: UpdateSetup, trust_remote_co
     )
     scalars = 8 * setup.group_size * setup.completion_tokens * FP32_BYTES
     decoded_row = sum(prompt_state_bytes(skeleton, setup.completion_tokens, setup.dtype_bytes).values())
-    return UpdateAccount(setup, weights, lora, state, replay, capture, scalars, decoded_row)
+    held = under_context_parallelism(skeleton)
+    return UpdateAccount(setup, weights, lora, state, replay, capture, scalars, decoded_row, held)

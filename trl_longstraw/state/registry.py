@@ -55,6 +55,7 @@ class LayerAccount:
     window: int | None = None
     per_chunk: bool = False
     per_page: int = 0
+    under_context_parallelism: str = "replicated"  # the kind's answer (`LayerState.under_context_parallelism`)
 
     def bytes(self, num_tokens: int, chunk_size: int | None = None) -> int:
         fixed = self.fixed if self.window is None else self.fixed * min(num_tokens, self.window) // self.window
@@ -130,6 +131,16 @@ class LayerState(abc.ABC):
             fp8_pages (`bool`): `prompt_state_dtype="float8_e4m3fn"` (detach mode): per-token pages in fp8 with
                 their scales (`placement.page_bytes`), where the kind keeps them so.
         """
+
+    @classmethod
+    def under_context_parallelism(cls, layer_type: str | None, part: LayerAccount) -> str:
+        """How context parallelism holds this kind's state of a `layer_type` layer accounted as `part`: "split" (each
+        rank keeps the entries of its own chunks: a state that grows with the prompt), "replicated" (every rank keeps
+        the whole: a state of fixed size, handed from chunk to chunk), or "refused" (a layer type not in
+        `sharded_layer_types`). The planner asks this; a kind whose CP state is held otherwise overrides it."""
+        if layer_type not in cls.sharded_layer_types:
+            return "refused"
+        return "split" if part.per_token else "replicated"
 
     @classmethod
     def attention_heads(cls, mixer: nn.Module, config: PretrainedConfig) -> int:
