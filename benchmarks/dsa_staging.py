@@ -3,7 +3,7 @@ stages) against every query's picks (gathering on the host) and against the whol
 as a dense block is).
 
 Counted, not timed: on a GPU with `prompt_state_device="cpu"` these entries cross PCIe; on this CPU nothing moves, so
-the staging is forced (`attention.pages_elsewhere`) and every `_Picked` built on the prompt's pages is recorded. The
+the staging is forced (`block_attention.pages_elsewhere`) and every `_Picked` built on the prompt's pages is recorded. The
 model and its chunk sizes are the DSA benchmark's (`results/cpu-2core-dsa-sparse-attention/`: GLM-5's ratio of
 attention to indexer work, top-256, P / k of GLM-5 at 64K positions when P = 8,192), random weights and tokens:
 
@@ -29,7 +29,7 @@ def count(prompt_length: int, args) -> dict:
     from presets import build_model, load_config_kwargs
     from trl.trainer.utils import add_fused_lm_head
 
-    from trl_longstraw import attention
+    from trl_longstraw import block_attention
     from trl_longstraw.engine import LongStrawEngine, prepare_model
 
     _, kwargs = load_config_kwargs(None, str(args.model_config))
@@ -38,7 +38,7 @@ def count(prompt_length: int, args) -> dict:
     add_fused_lm_head(model, outputs=("log_probs",))
     phase = ["capture"]
     moved = defaultdict(lambda: {"calls": 0, "staged": 0, "gathered": 0, "prefix": 0})
-    build = attention._Picked.__init__
+    build = block_attention._Picked.__init__
 
     def recording(self, q, keys, values, block, *rest):
         build(self, q, keys, values, block, *rest)
@@ -49,8 +49,8 @@ def count(prompt_length: int, args) -> dict:
             entry["gathered"] += self.index.numel()
             entry["prefix"] += keys.shape[1]
 
-    attention.pages_elsewhere = lambda keys, q: True
-    attention._Picked.__init__ = recording
+    block_attention.pages_elsewhere = lambda keys, q: True
+    block_attention._Picked.__init__ = recording
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(prompt_length)
     prompt = torch.randint(2, vocab, (prompt_length,), generator=generator)

@@ -19,7 +19,7 @@ import time
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from trl_longstraw.attention import CAUSAL, KeyBlock, attention_over_blocks, merge_by_lse
+from trl_longstraw.block_attention import AttentionScalars, KeyBlock, attention_over_blocks, merge_by_lse
 
 HEADS, RANK, ROPE, NOPE, VDIM, CHUNK = 16, 512, 64, 128, 128, 2048
 
@@ -31,7 +31,7 @@ def absorbed(q_nope, q_rope, pages, kv_b, positions, page_positions):
     w_uk, w_uv = w[..., :NOPE], w[..., NOPE:]
     q = torch.cat([torch.einsum("bhtn,khn->bhtk", q_nope, w_uk), q_rope], dim=-1)
     block = (pages, pages[..., :RANK], KeyBlock(page_positions, shared=True))
-    out = attention_over_blocks(q, [block], positions, 0.1, CAUSAL, CHUNK)
+    out = attention_over_blocks(q, [block], positions, AttentionScalars(0.1, CHUNK))
     return torch.einsum("bhtk,khv->bhtv", out, w_uv)
 
 

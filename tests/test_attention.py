@@ -5,8 +5,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trl_longstraw import attention
-from trl_longstraw.attention import CAUSAL, KeyBlock, Visibility, attention_over_blocks, merge_by_lse
+from trl_longstraw import block_attention
+from trl_longstraw.block_attention import (
+    CAUSAL,
+    AttentionScalars,
+    KeyBlock,
+    Visibility,
+    attention_over_blocks,
+    merge_by_lse,
+)
 
 VISIBILITIES = {
     "causal": CAUSAL,
@@ -38,7 +45,9 @@ def ours(q, prefix_k, prefix_v, own_k, own_v, sinks, visibility, chunk, softcap=
         (prefix_k, prefix_v, KeyBlock(torch.arange(PREFIX), shared=True, picked=picked)),
         (own_k, own_v, KeyBlock(q_positions, shared=False, picked=own_picked)),
     ]
-    return attention_over_blocks(q, blocks, q_positions, 0.3, visibility, chunk, softcap=softcap, sinks=sinks)
+    return attention_over_blocks(
+        q, blocks, q_positions, AttentionScalars(0.3, chunk, visibility, softcap), sinks=sinks
+    )
 
 
 def reference(q, prefix_k, prefix_v, own_k, own_v, sinks, visibility, softcap=None, picked=None):
@@ -85,7 +94,7 @@ def test_blocks_equal_one_softmax_over_their_union(visibility, chunk, softcap, s
 @pytest.mark.parametrize("visibility", list(VISIBILITIES))
 def test_gradients_float64(visibility, row_block, softcap, monkeypatch):
     """Plain-torch path (float64): gradcheck on queries, prompt keys/values, own keys/values and sinks."""
-    monkeypatch.setattr(attention, "BACKWARD_ROW_BLOCK", row_block)
+    monkeypatch.setattr(block_attention, "BACKWARD_ROW_BLOCK", row_block)
     tensors = inputs(torch.float64)
 
     def fn(*tensors):
@@ -128,13 +137,13 @@ WIDE = {
 def fused_backward_calls(monkeypatch) -> list[bool]:
     """The `causal` flag of every call of the fused backward kernel, in order."""
     calls = []
-    kernel = attention._fused_backward_kernel
+    kernel = block_attention._fused_backward_kernel
 
     def counting(*args, **kwargs):
         calls.append(args[6])  # causal
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(attention, "_fused_backward_kernel", counting)
+    monkeypatch.setattr(block_attention, "_fused_backward_kernel", counting)
     return calls
 
 
@@ -156,8 +165,8 @@ def test_chunks_the_fused_kernels_take_build_no_mask(fused_backward_calls, chunk
     """Choosing a chunk's kernel reads its positions' ends only: a chunk the fused kernels take (the prompt's, all
     visible; the own keys, one square causal block) builds no `[rows, keys]` mask, forward or backward."""
     masks = []
-    pairs = attention.visible_pairs
-    monkeypatch.setattr(attention, "visible_pairs", lambda *args: masks.append(args) or pairs(*args))
+    pairs = block_attention.visible_pairs
+    monkeypatch.setattr(block_attention, "visible_pairs", lambda *args: masks.append(args) or pairs(*args))
     ours(*inputs(torch.float32)[:5], None, CAUSAL, chunk).sum().backward()
     assert sorted(fused_backward_calls) == [False] * -(-PREFIX // chunk) + [True]
     assert masks == []
@@ -181,9 +190,9 @@ def test_the_cuda_kernel_calls_are_well_formed(monkeypatch):
     to a multiple of 32 rows and must be cut to the rows."""
     query = torch.empty(4, 2, 100, 32, device="meta")
     key, value = torch.empty(4, 2, 300, 32, device="meta"), torch.empty(4, 2, 300, 32, device="meta")
-    out, lse = attention._fused_forward_kernel(query, key, value, False, 0.2)
+    out, lse = block_attention._fused_forward_kernel(query, key, value, False, 0.2)
     assert out.shape == query.shape and lse.shape == (4, 2, 100) and lse.dtype == torch.float32
-    dq, dk, dv = attention._fused_backward_kernel(out, query, key, value, out, lse, False, 0.2)
+    dq, dk, dv = block_attention._fused_backward_kernel(out, query, key, value, out, lse, False, 0.2)
     assert (dq.shape, dk.shape, dv.shape) == (query.shape, key.shape, value.shape)
 
 
@@ -192,7 +201,7 @@ def test_the_cuda_backward_gets_its_operands_laid_out_as_its_forward_returns_the
     CUDA kernel reads the output at a row stride of `heads * dv` and wants log-sum-exp strides multiple of 8."""
     out = torch.randn(3, 4, 5, 6)  # [batch, heads, rows, dv], rows-within-head contiguous
     lse = torch.randn(3, 4, 5)
-    laid_out, padded = attention.efficient_backward_operands(out, lse)
+    laid_out, padded = block_attention.efficient_backward_operands(out, lse)
     assert torch.equal(laid_out, out) and laid_out.transpose(1, 2).is_contiguous()
     assert laid_out.stride(2) == 4 * 6  # a row of every head, then the next row
     assert padded.shape == (3, 4, 32) and padded.stride(0) % 8 == 0 and padded.stride(1) % 8 == 0
@@ -233,7 +242,7 @@ def page_placement(request, monkeypatch):
     """ "pages-elsewhere": the prompt's pages as host-resident state on a GPU has them, on another device than the
     queries, so each picked entry is staged once before the gathers (forced here: this machine has one device)."""
     if request.param == "pages-elsewhere":
-        monkeypatch.setattr(attention, "pages_elsewhere", lambda keys, q: True)
+        monkeypatch.setattr(block_attention, "pages_elsewhere", lambda keys, q: True)
     return request.param
 
 
@@ -288,7 +297,7 @@ def test_a_row_that_sees_no_key_gets_zero_output_and_gradients(top_k):
 
     def fn(q, prefix_k, prefix_v):
         blocks = [(prefix_k, prefix_v, KeyBlock(torch.arange(PREFIX), shared=True, picked=picked))]
-        return attention_over_blocks(q, blocks, q_positions, 0.3, Visibility(sliding_window=3), 4)
+        return attention_over_blocks(q, blocks, q_positions, AttentionScalars(0.3, 4, Visibility(sliding_window=3)))
 
     out = fn(q, prefix_k, prefix_v)
     out.backward(torch.randn_like(out))
@@ -326,11 +335,13 @@ def test_bf16_under_autocast_accumulates_like_fp32(device="cpu"):
 
 def test_pages_elsewhere_stage_each_picked_entry_once(monkeypatch):
     """Host-resident pages cross once per distinct entry picked, not once per query that picked it."""
-    monkeypatch.setattr(attention, "pages_elsewhere", lambda keys, q: True)
+    monkeypatch.setattr(block_attention, "pages_elsewhere", lambda keys, q: True)
     q, pages, _, _, _, _ = inputs(torch.float64)
     picked = top_k(6, seed=5)
     block = KeyBlock(torch.arange(PREFIX), shared=True, picked=picked)
-    staged = attention._Picked(q, pages, pages, block, torch.arange(PREFIX, PREFIX + TOKENS), CAUSAL, 64)
+    staged = block_attention._Picked(
+        q, pages, pages, block, torch.arange(PREFIX, PREFIX + TOKENS), AttentionScalars(1.0, 64)
+    )
     prompt_picks = picked[picked < PREFIX]
     distinct = set(prompt_picks.tolist())
     assert distinct <= set(staged.entries.tolist()) <= distinct | {0}  # 0: where a token picked fewer here
@@ -385,11 +396,11 @@ def test_host_pages_cross_to_the_compute_device_contiguous_and_once(latents):
     keys = torch.randn(heads, PREFIX, DIM)
     values = keys[..., : DIM - 2] if latents else torch.randn(heads, PREFIX, DIM)
     q = torch.empty(BATCH, HEADS, TOKENS, DIM, device="meta")
-    fold = attention._Fold(BATCH, HEADS, TOKENS, heads, shared=True)
+    fold = block_attention._Fold(BATCH, HEADS, TOKENS, heads, shared=True)
     block = KeyBlock(torch.arange(PREFIX), shared=True)
     with _Crossings() as crossings:
         positions = torch.arange(PREFIX, PREFIX + TOKENS)
-        key_chunks = attention._KeyChunks(q, keys, values, block, fold, positions, CAUSAL, 4, None)
+        key_chunks = block_attention._KeyChunks(q, keys, values, block, fold, positions, AttentionScalars(1.0, 4))
         chunks = [(span, key_chunks.chunk(span)) for span in key_chunks.spans]
     assert [span for span, _ in chunks] == [slice(0, 4), slice(4, 8), slice(8, 9)]
     assert all(chunk.keys.device.type == chunk.values.device.type == "meta" for _, chunk in chunks)

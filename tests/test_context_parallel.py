@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from trl_longstraw.attention import KeyBlock, Visibility
+from trl_longstraw.block_attention import AttentionScalars, KeyBlock
 from trl_longstraw.context_parallel import ContextParallelGroup, ShardLayout, capture_attention_pairs
 from trl_longstraw.context_parallel.step import StepCall
 
@@ -429,7 +429,7 @@ def test_a_step_computes_every_query_key_pair_once_in_pieces_of_one_chunk_each()
     computed = Counter()
     for me in range(size):
         cp = ContextParallelGroup(None, me, size)
-        call = StepCall(cp, starts, positions, pages, None, 1.0, Visibility(), 4, None, "capture")
+        call = StepCall(cp, starts, positions, pages, None, AttentionScalars(1.0, 4), "capture")
         own = (me, slice(0, lengths[me]), "own", call.own_blocks())
         for piece in call.pieces():
             assert sum(len(range(rows.start, rows.stop)) for rows in map(call.rows, range(size), [piece] * size)) <= 8

@@ -204,10 +204,10 @@ def test_fused_cuda_kernels_agree_with_plain_torch(chunk, sinks):
 def test_fused_cuda_path_is_taken_and_agrees_with_the_plain_tiles(dtype, value_dim, monkeypatch):
     """Both CUDA kernels run (the prompt block, the own causal block), and the plain tiles on the same inputs give
     the same output and gradients (bf16: to its rounding; both accumulate in fp32)."""
-    from trl_longstraw import attention
+    from trl_longstraw import block_attention
 
     calls = []
-    forward, backward = attention._fused_forward_kernel, attention._fused_backward_kernel
+    forward, backward = block_attention._fused_forward_kernel, block_attention._fused_backward_kernel
 
     def counting_forward(*args):
         calls.append(("forward", args[3]))
@@ -219,10 +219,10 @@ def test_fused_cuda_path_is_taken_and_agrees_with_the_plain_tiles(dtype, value_d
 
     results = []
     for fused in (True, False):
-        monkeypatch.setattr(attention, "_fused_forward_kernel", counting_forward)
-        monkeypatch.setattr(attention, "_fused_backward_kernel", counting_backward)
+        monkeypatch.setattr(block_attention, "_fused_forward_kernel", counting_forward)
+        monkeypatch.setattr(block_attention, "_fused_backward_kernel", counting_backward)
         if not fused:
-            monkeypatch.setattr(attention, "_fusable", lambda *args: None)
+            monkeypatch.setattr(block_attention, "_fusable", lambda *args: None)
         tensors = _on_cuda(inputs(torch.float32, value_dim=value_dim), dtype)
         out = ours(*tensors[:5], None, CAUSAL, 64)
         out.float().square().sum().backward()
@@ -257,8 +257,8 @@ def test_attention_over_the_prompt_makes_no_device_sync(visibility, pages):
 def test_glm5_width_latent_pages_take_the_cuda_kernels(dtype, monkeypatch):
     """MLA at GLM-5's width (absorbed queries of 576 = latent 512 + rope 64 over one latent head, values its first
     512 columns): the kernels' wide-head variants, fused against the plain tiles, forward and gradients."""
-    from trl_longstraw import attention
-    from trl_longstraw.attention import KeyBlock, attention_over_blocks
+    from trl_longstraw import block_attention
+    from trl_longstraw.block_attention import AttentionScalars, KeyBlock, attention_over_blocks
 
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(1, 16, 7, 576, generator=generator) * 0.05
@@ -268,13 +268,13 @@ def test_glm5_width_latent_pages_take_the_cuda_kernels(dtype, monkeypatch):
     results = []
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(attention, "_fusable", lambda *args: None)
+            monkeypatch.setattr(block_attention, "_fusable", lambda *args: None)
         leaves = [t.to("cuda", dtype).requires_grad_(True) for t in (q, pages, own)]
         blocks = [
             (leaves[1], leaves[1][..., :512], KeyBlock(torch.arange(300, device="cuda"), shared=True)),
             (leaves[2], leaves[2][..., :512], KeyBlock(positions.cuda(), shared=False)),
         ]
-        out = attention_over_blocks(leaves[0], blocks, positions.cuda(), 576**-0.5, CAUSAL, 128)
+        out = attention_over_blocks(leaves[0], blocks, positions.cuda(), AttentionScalars(576**-0.5, 128))
         out.float().square().sum().backward()
         results.append([x.float().cpu() for x in [out] + [t.grad for t in leaves]])
     tolerance = 1e-4 if dtype == torch.float32 else 3e-2

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from trl_longstraw import attention
+from trl_longstraw import block_attention
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine
 from trl_longstraw.state.placement import FP8_MAX, FP8_PAGE_TOKENS, Pages, Placement, dequantize_pages
@@ -113,14 +113,14 @@ def test_fp8_state_halves_the_pages_and_scores_close_to_the_model_dtype(family):
 
 @pytest.mark.parametrize("prompt_state_dtype", ["auto", "float8_e4m3fn"])
 def test_dsa_pages_staged_from_another_device_give_the_same_state_and_scores(monkeypatch, prompt_state_dtype):
-    """Host-resident DSA pages on a GPU stage each picked entry once (`attention.pages_elsewhere`, forced here: one
+    """Host-resident DSA pages on a GPU stage each picked entry once (`block_attention.pages_elsewhere`, forced here: one
     device): the same capture and the same log-probs, bit for bit, fp8 entries dequantised with their pages' scales."""
     model = prepared(build_model("glm_moe_dsa", dtype=torch.bfloat16))
     prompt, completions, lengths = case(prompt_length=257)
     engine = LongStrawEngine(64, 50, prompt_state_dtype=prompt_state_dtype)
     results = []
     for elsewhere in (False, True):
-        monkeypatch.setattr(attention, "pages_elsewhere", lambda keys, q, elsewhere=elsewhere: elsewhere)
+        monkeypatch.setattr(block_attention, "pages_elsewhere", lambda keys, q, elsewhere=elsewhere: elsewhere)
         with torch.no_grad():
             state = engine.capture(model, prompt, 0)
             results.append((state.tensors(), engine.score(model, state, prompt[-1:], completions, lengths, 3)[0]))

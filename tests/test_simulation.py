@@ -3,7 +3,7 @@
 At tiny sizes on the CPU the real update runs (real weights, real gloo ranks) and the simulation runs it on fake CPU
 tensors: every phase's peak must agree within 5% (docs/simulation.md#validation), for a dense model, a GatedDeltaNet
 hybrid and an MLA + DSA + MoE model, in both gradient modes, in one process and on 2 ranks (context parallelism, and
-the weights sharded by FSDP2). The fake run samples runs of interchangeable iterations (`attention.visits`) where the
+the weights sharded by FSDP2). The fake run samples runs of interchangeable iterations (`block_attention.visits`) where the
 real one runs every one, so the check covers the sampling too. Then the simulation on fake CUDA tensors, in its own
 process, as `trl-longstraw plan --simulate` runs it.
 """

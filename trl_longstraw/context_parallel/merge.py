@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..attention import (
+from ..block_attention import (
     _finite,
     blocks_forward,
     merge_by_lse,
@@ -78,10 +78,10 @@ def empty_partial(q: torch.Tensor, value_dim: int, dtype: torch.dtype) -> tuple[
     return out, torch.full((batch, heads, tokens), float("-inf"), dtype=dtype, device=q.device)
 
 
-def partial_attention(q, q_positions, scaling, visibility, chunk_size, softcap, blocks, tensors, value_dim, sinks):
+def partial_attention(q, q_positions, scalars, blocks, tensors, value_dim, sinks):
     """This rank's `(o, lse)` over its blocks (and its sinks, on the rank that counts them); `lse = -inf` if none."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    out, lse = blocks_forward(q, q_positions, scaling, visibility, chunk_size, softcap, blocks, tensors)
+    out, lse = blocks_forward(q, q_positions, scalars, blocks, tensors)
     if out is None:
         out, lse = empty_partial(q, value_dim, acc)
     if sinks is not None:

@@ -29,7 +29,7 @@ from collections import Counter
 
 import torch
 
-from ..attention import KeyBlock, Visibility
+from ..block_attention import AttentionScalars, KeyBlock
 from ..state import LayerState, PromptState
 from ..state.recurrent import StateGradientHandOff
 from .communication import ContextParallelGroup
@@ -126,9 +126,7 @@ class ShardedPromptState(PromptState):
         query: torch.Tensor,
         own_keys: torch.Tensor,
         own_values: torch.Tensor,
-        scaling: float,
-        visibility: Visibility,
-        softcap: float | None = None,
+        scalars: AttentionScalars,
         sinks: torch.Tensor | None = None,
         indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -136,17 +134,11 @@ class ShardedPromptState(PromptState):
         step's, every rank's chunk at once (`step.StepAttention`); a scoring or replay forward's, every rank running
         its own rows (the same function, without chunks); a rollout step's, every rank decoding the same rows."""
         if access.mode in ("capture", "recompute", "read"):
-            return self._step_attention(
-                access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
-            )
-        return self._decode_attention(
-            access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
-        )
+            return self._step_attention(access, layer, query, own_keys, own_values, scalars, sinks, indices)
+        return self._decode_attention(access, layer, query, own_keys, own_values, scalars, sinks, indices)
 
     @torch.no_grad()
-    def _decode_attention(
-        self, access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
-    ):
+    def _decode_attention(self, access, layer, query, own_keys, own_values, scalars, sinks, indices):
         """A rollout step: every rank decodes the same rows, each over its pages (rank 0 also over the rows' own
         entries, with the sinks), merged across the group (`merge.merge_across`)."""
         blocks, tensors = (list(part) for part in layer.page_block(query.dtype, None, indices))
@@ -159,10 +151,7 @@ class ShardedPromptState(PromptState):
             out, lse = partial_attention(
                 query,
                 access.query_positions,
-                scaling,
-                visibility,
-                access.attention_chunk_size,
-                softcap,
+                scalars,
                 tuple(blocks),
                 tuple(tensors),
                 own_values.shape[-1],
@@ -179,9 +168,7 @@ class ShardedPromptState(PromptState):
             access.rows_lengths = [int(n) for n in self.cp.all_gather(mine, "lengths")]
         return access.rows_lengths
 
-    def _step_attention(
-        self, access, layer, query, own_keys, own_values, scaling, visibility, softcap, sinks, indices
-    ):
+    def _step_attention(self, access, layer, query, own_keys, own_values, scalars, sinks, indices):
         """A capture or recompute step's attention (every rank's chunk of the step), or a scoring or replay forward's
         (every rank's rows after the prompt, no chunks): `step.StepAttention` over this rank's pages before them."""
         if access.mode == "read":
@@ -210,10 +197,7 @@ class ShardedPromptState(PromptState):
             positions,
             page_blocks,
             selections,
-            scaling,
-            visibility,
-            access.attention_chunk_size,
-            softcap,
+            scalars,
             kind,
             first_index,
         )

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import KeyBlock, Visibility, blocks_backward, merge_by_lse, sinks_gradient, visits
+from ..block_attention import AttentionScalars, KeyBlock, blocks_backward, merge_by_lse, sinks_gradient, visits
 from .communication import ContextParallelGroup
 from .merge import merge_partials, partial_attention
 
@@ -53,10 +53,7 @@ class StepCall:
     positions: tuple[torch.Tensor, ...]  # each rank's queries' absolute positions (host)
     page_blocks: tuple[tuple[KeyBlock, ...], ...]  # this rank's pages as each rank's queries read them
     selections: tuple[torch.Tensor, ...] | None  # DSA: each rank's top-k (captured-token indices), or None
-    scaling: float
-    visibility: Visibility
-    chunk_size: int
-    softcap: float | None
+    scalars: AttentionScalars
     kind: str  # the communication counter
     rows_first_index: int = 0  # rows after the prompt: the key index of their first own entry (the prompt's length)
 
@@ -124,7 +121,7 @@ class StepCall:
 
 
 def _term_kind(term) -> tuple:
-    """What decides a partial's computation besides its data (`attention.visits`): its key source's kind (the pages,
+    """What decides a partial's computation besides its data (`block_attention.visits`): its key source's kind (the pages,
     the own chunk, another rank's), its rows, and its blocks' lengths and top-k widths (every query of a term sees
     every key of its blocks but the pages' excluded ones)."""
     _, rows, source, blocks = term
@@ -180,8 +177,7 @@ class StepAttention(torch.autograd.Function):
         with torch.autocast(q.device.type, enabled=False):
             keys, values = _gathered_chunks(call, own_k, own_v, lengths)
             out, lse = partial_attention(
-                q, call.positions[me], call.scaling, call.visibility, call.chunk_size, call.softcap,
-                call.own_blocks(), (own_k, own_v), value_dim, sinks,
+                q, call.positions[me], call.scalars, call.own_blocks(), (own_k, own_v), value_dim, sinks,
             )  # fmt: skip
             together = {}  # the pieces' partials are sampled as one loop
             for piece in call.pieces():
@@ -200,8 +196,8 @@ class StepAttention(torch.autograd.Function):
             d_out = d_out.to(out.dtype)
             keys, values = _gathered_chunks(call, own_k, own_v, lengths)
             d_q, grads = blocks_backward(
-                d_out, q, call.positions[me], out, lse, call.scaling, call.visibility, call.chunk_size, call.softcap,
-                call.own_blocks(), (own_k, own_v), (True, True, True),
+                d_out, q, call.positions[me], out, lse, call.scalars, call.own_blocks(), (own_k, own_v),
+                (True, True, True),
             )  # fmt: skip
             d_own = [torch.zeros_like(own_k), torch.zeros_like(own_v)]
             _accumulate(d_own, grads)
@@ -284,10 +280,7 @@ def _partials(
         part = partial_attention(
             queries[rank][:, :, local],
             call.positions[rank][rows],
-            call.scaling,
-            call.visibility,
-            call.chunk_size,
-            call.softcap,
+            call.scalars,
             blocks,
             tensors,
             value_dim,
@@ -322,10 +315,7 @@ def _piece_backward(
             call.positions[rank][rows],
             out_rank,
             lse_rank[..., 0],
-            call.scaling,
-            call.visibility,
-            call.chunk_size,
-            call.softcap,
+            call.scalars,
             blocks,
             tensors,
             flags,

@@ -54,7 +54,7 @@ class SimulationReport:
     - `stand_ins`: kernels run as stand-ins (`stand_ins.py`);
     - `answered_reads`: device values the update read that the simulation answered without knowing them (upper
       bounds, True for a boolean check);
-    - `sampled_iterations`: loop iterations accounted rather than run (`attention.visits`);
+    - `sampled_iterations`: loop iterations accounted rather than run (`block_attention.visits`);
     - `world`: the simulated rank, the world's size, the host values mirrored through collectives;
     - `wall_s`: the simulation's own time.
     """

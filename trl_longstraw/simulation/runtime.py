@@ -6,7 +6,7 @@ implementations of custom ops: bitsandbytes' 4-bit ops, the stand-ins of `stand_
 cannot give, the update needs:
 
 - **Host values.** LongStraw keeps positions, lengths and chunk bounds on the host and reads them to choose kernels
-  (`attention.py`); those must stay real. [`SimulatedDevice`] runs an op for real when it touches no fake tensor,
+  (`block_attention.py`); those must stay real. [`SimulatedDevice`] runs an op for real when it touches no fake tensor,
   unless it makes room for data: a floating-point, pinned or large (`HOST_REAL_BYTES`) host tensor is fake like the
   device's (prompt-state pages in host memory, the buffers a collective fills), while integers, which decide what
   runs, stay real.

@@ -235,7 +235,7 @@ class UpdateTracker(TorchDispatchMode):
 
     def repeat(self, work: Work) -> None:
         """Account `work` once more in the current phase without running it: an iteration interchangeable with one
-        measured (`attention.visits`), whose memory is that one's too."""
+        measured (`block_attention.visits`), whose memory is that one's too."""
         record = self._record()
         record.flops += work.flops
         record.roofline_s += work.roofline_s

@@ -69,7 +69,7 @@ class SimulationSpec:
     fake: bool = True  # False: real tensors (the validation's tracked real run)
     seed: int = 0
     progress: bool = False
-    sample: int = 2  # iterations run of each run of interchangeable ones (`attention.visits`); 0: every one
+    sample: int = 2  # iterations run of each run of interchangeable ones (`block_attention.visits`); 0: every one
 
 
 @dataclass
@@ -335,9 +335,9 @@ class GroupUpdate:
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def sampling(self):
-        """Interchangeable loop iterations (`attention.visits`) sampled: the first `spec.sample` of each key run, the
+        """Interchangeable loop iterations (`block_attention.visits`) sampled: the first `spec.sample` of each key run, the
         rest accounted by the last run one's cost."""
-        from ..attention import sampled_visits
+        from ..block_attention import sampled_visits
 
         if not self.spec.sample:
             return contextlib.nullcontext()

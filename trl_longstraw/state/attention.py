@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..attention import KeyBlock, Visibility
+from ..block_attention import AttentionScalars, KeyBlock, Visibility
 from .placement import Pages, page_bytes
 from .registry import LayerAccount, LayerState, UnsupportedModelError, find_child
 
@@ -132,9 +132,8 @@ class AttentionPages(LayerState):
         window = visibility.sliding_window
         own_keys = access.own_entries(self, "key", key.reshape(batch * kv_heads, tokens, -1), dim=1, window=window)
         own_values = access.own_entries(self, "value", value.reshape(batch * kv_heads, tokens, -1), 1, window)
-        out = access.state.attention(
-            access, self, query, own_keys, own_values, scaling, visibility, softcap=softcap, sinks=sinks
-        )
+        scalars = AttentionScalars(scaling, access.attention_chunk_size, visibility, softcap)
+        out = access.state.attention(access, self, query, own_keys, own_values, scalars, sinks=sinks)
         self.keep(access, key, value, visibility=visibility)
         return out
 

@@ -27,7 +27,7 @@ import inspect
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..attention import visits
+from ..block_attention import visits
 from .mla import is_multi_head_latent_attention
 from .placement import Pages
 from .prompt_state import StateAccess

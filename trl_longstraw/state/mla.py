@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import KeyBlock, Visibility
+from ..block_attention import AttentionScalars, KeyBlock, Visibility
 from .placement import Pages, page_bytes
 from .registry import LayerAccount, LayerState, find_child
 
@@ -115,9 +115,8 @@ class LatentPages(LayerState):
         absorbed, values = absorb(module, query)
         own_values = own_keys[..., : module.kv_lora_rank]
         visibility = self.visibility(sliding_window)
-        out = access.state.attention(
-            access, self, absorbed, own_keys, own_values, scaling, visibility, indices=indices
-        )
+        scalars = AttentionScalars(scaling, access.attention_chunk_size, visibility)
+        out = access.state.attention(access, self, absorbed, own_keys, own_values, scalars, indices=indices)
         self.keep(access, key, value, latents=own_keys)
         return values(out)
 

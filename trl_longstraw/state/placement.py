@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import stage
+from ..block_attention import stage
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max

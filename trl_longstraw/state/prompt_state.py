@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from transformers.cache_utils import Cache
 
-from ..attention import KeyBlock, Visibility, attention_over_blocks
+from ..block_attention import AttentionScalars, KeyBlock, attention_over_blocks
 from .placement import Placement
 from .registry import LayerPlan, LayerState, PromptGeometry, UnsupportedModelError
 from .suffix import Suffix
@@ -161,9 +161,7 @@ class PromptState:
         query: torch.Tensor,
         own_keys: torch.Tensor,
         own_values: torch.Tensor,
-        scaling: float,
-        visibility: Visibility,
-        softcap: float | None = None,
+        scalars: AttentionScalars,
         sinks: torch.Tensor | None = None,
         indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -177,9 +175,7 @@ class PromptState:
         own_picked = None if indices is None else indices.long() - access.prefix_length
         own = KeyBlock(access.own_positions(own_keys.shape[1]), shared=False, picked=own_picked)
         blocks.append((own_keys, own_values, own))
-        chunk_size = access.attention_chunk_size
-        positions = access.query_positions
-        return attention_over_blocks(query, blocks, positions, scaling, visibility, chunk_size, softcap, sinks)
+        return attention_over_blocks(query, blocks, access.query_positions, scalars, sinks)
 
     def tensors(self) -> list[torch.Tensor]:
         return [tensor for layer in self.layers for tensor in layer.tensors()]

@@ -255,7 +255,7 @@ class LayerState(abc.ABC):
         raise NotImplementedError
 
     def page_block(self, dtype: torch.dtype, limit: int | None = None, indices: torch.Tensor | None = None):
-        """This process's pages as key blocks of `attention.blocks_forward`: `(blocks, tensors)`, `tensors` the
+        """This process's pages as key blocks of `block_attention.blocks_forward`: `(blocks, tensors)`, `tensors` the
         `(keys, values)` of each block, or `((), ())` where there is none.
 
         Args:
@@ -267,7 +267,7 @@ class LayerState(abc.ABC):
         raise NotImplementedError
 
     def visibility(self, sliding_window: int | None):
-        """The `attention.Visibility` of this layer's keys for a call with `sliding_window` (chunks counted from the
+        """The `block_attention.Visibility` of this layer's keys for a call with `sliding_window` (chunks counted from the
         whole prompt's first position)."""
         raise NotImplementedError
 
