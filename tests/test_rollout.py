@@ -361,7 +361,7 @@ def test_tool_turns_decode_from_the_first_turns_capture(tmp_path, monkeypatch):
     steps = [log for log in trainer.state.log_history if "longstraw/capture/count" in log]
     assert len(steps) == 2 and all(log["longstraw/capture/count"] == 1 for log in steps)
     assert len(errors) >= 2 and max(errors) < 1e-5, errors
-    assert trainer._first_turn is None  # the prompts kept for the tool turns are released with the generation
+    assert not trainer._tool_turns.in_tool_loop  # the prompts kept for the tool turns are released with the generation
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])

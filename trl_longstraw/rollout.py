@@ -20,6 +20,7 @@ one group per process).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -156,6 +157,57 @@ class PromptRows:
     prompt_ids: torch.Tensor  # [P] real tokens
     state: PromptState
     continuation: torch.Tensor | None = None  # [C] real tokens after prompt_ids
+
+
+class ToolTurnStates:
+    """A generation's first-turn prompt states, kept through GRPOTrainer's tool loop: each tool turn's row (its prompt,
+    then its completion and tool results so far) continues its prompt's state (`PromptRows.continuation`) instead of
+    capturing its whole history again. Released when the generation ends, before scoring."""
+
+    def __init__(self):
+        self._states: dict[tuple[int, ...], PromptRows] | None = None
+
+    @property
+    def in_tool_loop(self) -> bool:
+        """Whether the first turn kept its states: the turn now decoding is a tool turn."""
+        return self._states is not None
+
+    def prompt_rows(
+        self,
+        rows_of: dict[tuple[int, ...], list[int]],
+        capture: Callable[[int, list[int], torch.Tensor], PromptState],
+        device: torch.device,
+    ) -> list[PromptRows]:
+        """This turn's rows by prompt (`rows_of`: token ids -> rows): in a tool turn, a row continuing a kept prompt
+        reads its state; any other prompt is captured (`capture(index, rows, prompt_ids)`). A kept prompt no row
+        continues any more (its rows stopped calling tools) is released."""
+        prompt_rows, continued_prompts = [], set()
+        for ids, rows in rows_of.items():
+            prompt = self._continued_prompt(ids) if self.in_tool_loop else None
+            if prompt is not None:
+                kept = self._states[prompt]
+                continuation = torch.tensor(ids[len(prompt) :], device=device)
+                prompt_rows.append(PromptRows(rows, kept.prompt_ids, kept.state, continuation))
+                continued_prompts.add(prompt)
+                continue
+            prompt_ids = torch.tensor(ids, device=device)
+            prompt_rows.append(PromptRows(rows, prompt_ids, capture(len(prompt_rows), rows, prompt_ids)))
+        if self.in_tool_loop:
+            self._states = {prompt: self._states[prompt] for prompt in continued_prompts}
+        return prompt_rows
+
+    def keep(self, states: dict[tuple[int, ...], PromptRows]) -> None:
+        """Keep the first turn's states (by prompt token ids) for the tool loop's turns."""
+        self._states = states
+
+    def release(self) -> None:
+        self._states = None
+
+    def _continued_prompt(self, ids: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The kept prompt that a tool turn's row `ids` continues (the longest, if one prompt starts another), or
+        None."""
+        continued = [prompt for prompt in self._states if len(ids) > len(prompt) and ids[: len(prompt)] == prompt]
+        return max(continued, key=len) if continued else None
 
 
 def decode(

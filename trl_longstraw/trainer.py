@@ -58,6 +58,7 @@ from .preemption import PreemptionCallback
 from .preflight import check_capture_matches_own_forward, positions_follow_mask
 from .rollout import (
     PromptRows,
+    ToolTurnStates,
     UnsupportedRolloutError,
     check_generation_config,
     decode,
@@ -203,7 +204,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self._prompt_tokens = 0  # the last prompt captured
         # which module a non-finite value came from (faults.py)
         self._finiteness = OutputFiniteness.of_causal_lm(policy)
-        self._first_turn: dict[tuple[int, ...], PromptRows] | None = None  # a generation's prompts, for its tool turns
+        self._tool_turns = ToolTurnStates()  # a generation's first-turn states, for its tool turns (rollout.py)
         self._reached: list[torch.nn.Parameter] | None = None
         self.rollout_from_prompt_state = self._resolve_rollout(args)
         self._warned_own_generate = False
@@ -653,7 +654,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         rows_of: dict[tuple[int, ...], list[int]] = {}
         for row, ids in enumerate(prompt_ids):
             rows_of.setdefault(tuple(ids), []).append(row)
-        tool_turn = self._first_turn is not None
+        tool_turn = self._tool_turns.in_tool_loop
         if not tool_turn:
             self._kept.invalidate()
         if self.parallel_layout.cp_group is not None and self.tools:  # tool results are computed by each rank itself
@@ -670,21 +671,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         ):
             causal_lm = self._causal_lm(unwrapped_model)
             sampling = prepare_sampling(causal_lm, self.generation_config, padded, mask)
-            prompt_rows, continued_prompts = [], set()
-            for ids, rows in rows_of.items():
-                prompt = self._continued_prompt(ids) if tool_turn else None
-                if prompt is not None:
-                    continued = self._first_turn[prompt]
-                    continuation = torch.tensor(ids[len(prompt) :], device=device)
-                    prompt_rows.append(PromptRows(rows, continued.prompt_ids, continued.state, continuation))
-                    continued_prompts.add(prompt)
-                    continue
-                group = PromptGroup(
-                    len(prompt_rows), rows, torch.tensor(ids, device=device), first_position=0, completion_lengths=[]
-                )
-                prompt_rows.append(PromptRows(rows, group.prompt_ids, self._capture(causal_lm, group, "capture")))
-            if tool_turn:  # a row that stopped calling tools left the loop: its prompt is never continued again
-                self._first_turn = {p: self._first_turn[p] for p in continued_prompts}
+
+            def capture(index, rows, prompt_ids):
+                group = PromptGroup(index, rows, prompt_ids, first_position=0, completion_lengths=[])
+                return self._capture(causal_lm, group, "capture")
+
+            prompt_rows = self._tool_turns.prompt_rows(rows_of, capture, device)
             with self._phase("rollout"), self.accelerator.autocast():
                 completion_ids = decode(self.engine, causal_lm, prompt_rows, padded, sampling)
             if not tool_turn:
@@ -709,13 +701,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             group = PromptGroup(0, rows, prompt_ids, first_position=0, completion_lengths=[])
             self._kept.keep(group, reusable[-1].state)
         if self.tools:
-            self._first_turn = prompt_rows
-
-    def _continued_prompt(self, ids: tuple[int, ...]) -> tuple[int, ...] | None:
-        """The kept prompt that a tool turn's row (`ids`: that prompt, then its completion and tool results so far)
-        continues (the longest, if one prompt starts another), or None."""
-        continued = [prompt for prompt in self._first_turn if len(ids) > len(prompt) and ids[: len(prompt)] == prompt]
-        return max(continued, key=len) if continued else None
+            self._tool_turns.keep(prompt_rows)
 
     def _generate(self, prompts: list):
         """GRPOTrainer's generation (first turn, then the tool loop); the prompt states kept for its tool turns are
@@ -723,7 +709,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         try:
             return super()._generate(prompts)
         finally:
-            self._first_turn = None
+            self._tool_turns.release()
 
     def _tool_call_loop(self, *args, **kwargs):
         """GRPOTrainer's tool loop; under FSDP2 the ranks finish the generation after it, as each may take a different
