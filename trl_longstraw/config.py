@@ -30,6 +30,12 @@ FP16_REFUSED = "fp16=True is not supported: the per-member backward bypasses the
 FSDP_TAKEN_FROM_ACCELERATE = "LONGSTRAW_FSDP_FROM_ACCELERATE"
 
 
+def remote_code_trusted(args) -> bool:
+    """Whether the model's own code may run: `model_init_kwargs`' `trust_remote_code`, else the config's."""
+    init_kwargs = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
+    return bool(init_kwargs.get("trust_remote_code", args.trust_remote_code))
+
+
 def env_flag(name: str) -> bool:
     """An `accelerate launch` flag exported to the process (`ACCELERATE_USE_*`), read as transformers reads it."""
     return bool(strtobool(os.environ.get(name, "false")))

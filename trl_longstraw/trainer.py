@@ -22,15 +22,13 @@ import torch
 from accelerate.utils import is_peft_model
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from transformers import AutoConfig
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context, profiling_decorator
 from trl.models import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
-from .architectures import check_supported, model_skeleton
 from .callbacks import OptimizerStepCallback, PhaseChartsCallback
-from .config import FP16_REFUSED, LongStrawGRPOConfig
+from .config import LongStrawGRPOConfig
 from .context_parallel import (
     SharedRowsSampler,
     check_prompt_length,
@@ -43,12 +41,7 @@ from .context_parallel import (
 from .distributed import average_gradients
 from .engine import LongStrawEngine, prepare_model, stock_attention, weights_version
 from .faults import OutputFiniteness, collective, first_non_finite_gradient, in_phase, warn_non_finite
-from .fsdp import (
-    ShardedPasses,
-    check_weights_loaded,
-    load_sharded_kwargs,
-    parallelize,
-)
+from .fsdp import ShardedPasses, parallelize, sharded_loading_kwargs
 from .groups import KeptPromptState, PromptGroup, group_rows_by_prompt
 from .load_balancing import moe_routing
 from .loss import member_backward, replayed_scores
@@ -67,12 +60,13 @@ from .rollout import (
 )
 from .telemetry import PhaseTelemetry
 from .validation import (
-    check_adapter,
     check_device_map,
     check_dropout_off,
     check_eval_dataset,
+    check_model,
     check_positions,
     check_sharded_checkpointing,
+    check_trainer_args,
 )
 
 logger = logging.getLogger(__name__)
@@ -108,40 +102,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = LongStrawGRPOConfig(f"{name.split('/')[-1]}-LongStraw-GRPO")
-        if not isinstance(args, LongStrawGRPOConfig):
-            raise TypeError(
-                f"args is a {type(args).__name__}; LongStrawGRPOTrainer needs a LongStrawGRPOConfig: build it with "
-                "the arguments you gave GRPOConfig (it accepts every GRPOConfig field)."
+        check_trainer_args(args)
+        config = check_model(model, args, kwargs.get("peft_config"))  # before any weights load
+        if isinstance(model, str) and args.shard_weights:  # each rank loads only its shards, where it can
+            args.model_init_kwargs = sharded_loading_kwargs(
+                config, args, kwargs.get("quantization_config"), kwargs.get("peft_config")
             )
-        if args.fp16:  # set after the config was built
-            raise ValueError(FP16_REFUSED)
-        check_adapter(kwargs.get("peft_config"))
-        if isinstance(model, str):  # fail on an unsupported architecture before loading any weights
-            init_kwargs = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
-            trust_remote_code = bool(init_kwargs.get("trust_remote_code", args.trust_remote_code))
-            config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-            check_supported(config, trust_remote_code=trust_remote_code)  # its meta-device skeleton: no weights
-            if args.shard_weights:  # each rank loads its shards only, where transformers' FSDP2 plan applies
-                other_layer_classes = args.shard_layer_classes is not None and set(args.shard_layer_classes) != {
-                    type(layer).__name__
-                    for layer in model_skeleton(config, trust_remote_code=trust_remote_code).get_decoder().layers
-                }
-                quantization = kwargs.get("quantization_config") or init_kwargs.get("quantization_config")
-                args.model_init_kwargs = load_sharded_kwargs(
-                    init_kwargs,
-                    args.world_size,
-                    other_layer_classes,
-                    quantized=quantization is not None,
-                    reference_model=args.beta != 0.0 and kwargs.get("peft_config") is None,
-                )
-        else:
-            config = model.config
-            check_supported(model)
-            check_device_map(model)
-            if args.shard_weights:
-                check_weights_loaded(model)
-            if is_peft_model(model):
-                check_adapter(model.active_peft_config)
         check_positions(config, args, prompt_width=1)
         self._memory_plan = plan_at_construction(  # before any weights load
             config, model, args, kwargs.get("peft_config"), kwargs.get("quantization_config")

@@ -7,10 +7,13 @@ settings are `plan.py`'s.
 from __future__ import annotations
 
 import torch
+from accelerate.utils import is_peft_model
 from torch import nn
+from transformers import AutoConfig, PretrainedConfig
 
-from .architectures import longrope_switch_length
-from .config import LongStrawGRPOConfig
+from .architectures import check_supported, longrope_switch_length
+from .config import FP16_REFUSED, LongStrawGRPOConfig, remote_code_trusted
+from .fsdp import check_weights_loaded
 
 
 def check_adapter(peft_config) -> None:
@@ -22,6 +25,37 @@ def check_adapter(peft_config) -> None:
             "PEFT's forward, which LongStraw's capture and replay of the base model bypass, so they would never be "
             "trained. Use an adapter on the weights (LoraConfig, for example)."
         )
+
+
+def check_trainer_args(args) -> None:
+    """The trainer's `args`: a `LongStrawGRPOConfig`, without fp16 (which a field set after construction can turn
+    on)."""
+    if not isinstance(args, LongStrawGRPOConfig):
+        raise TypeError(
+            f"args is a {type(args).__name__}; LongStrawGRPOTrainer needs a LongStrawGRPOConfig: build it with "
+            "the arguments you gave GRPOConfig (it accepts every GRPOConfig field)."
+        )
+    if args.fp16:
+        raise ValueError(FP16_REFUSED)
+
+
+def check_model(model, args: LongStrawGRPOConfig, peft_config) -> PretrainedConfig:
+    """The model's config, once what the trainer cannot drive is refused, before any weights load: the adapter, the
+    architecture (a model id's from its meta-device skeleton), and for a model object its device map, its weights
+    on this rank (under `shard_weights`) and the adapter it carries."""
+    check_adapter(peft_config)
+    if isinstance(model, str):
+        trust_remote_code = remote_code_trusted(args)
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        check_supported(config, trust_remote_code=trust_remote_code)
+        return config
+    check_supported(model)
+    check_device_map(model)
+    if args.shard_weights:
+        check_weights_loaded(model)
+    if is_peft_model(model):
+        check_adapter(model.active_peft_config)
+    return model.config
 
 
 def check_device_map(model) -> None:
