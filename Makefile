@@ -23,7 +23,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	WANDB_MODE=offline $(PYTHON) -m pytest
+	# two workers of one thread each (pytest-xdist); tests sharing a module-scoped fixture run on one (tests/conftest.py)
+	WANDB_MODE=offline OMP_NUM_THREADS=1 $(PYTHON) -m pytest -n 2 --dist loadgroup
 
 clean:
 	rm -rf $(VENV) outputs wandb .pytest_cache

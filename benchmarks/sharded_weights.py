@@ -36,7 +36,9 @@ def run(out: Path, family: str, route: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     torchrun = Path(sys.executable).parent / "torchrun"
     for command in ([sys.executable], [str(torchrun), "--nproc_per_node", "2"]):
-        subprocess.run([*command, str(WORKER), str(out), family, route], env=env, check=True, capture_output=True)
+        subprocess.run(
+            [*command, str(WORKER), str(out), f"{family}/{route}"], env=env, check=True, capture_output=True
+        )
 
 
 def largest_relative(want: list[float], got: list[float]) -> float:

@@ -16,6 +16,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 GROUP_SIZE = 3
 
 
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs the suite on parallel workers (pytest-xdist, `--dist loadgroup`): the tests that share a
+    module-scoped fixture (a fork of gloo ranks, a batch of simulations) are one group, run by one worker, so the
+    fixture is computed once; every other test goes to whichever worker is free."""
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        shared = sorted(
+            name
+            for name, defs in (fixtures.name2fixturedefs.items() if fixtures else ())
+            if defs[-1].scope == "module"
+        )
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}:{'+'.join(shared)}"))
+
+
 def length_reward(completions, **kwargs):
     return [float(len(completion)) for completion in completions]
 

@@ -1,5 +1,6 @@
-"""Three LongStraw optimizer steps, run alone (`python this.py OUT FAMILY ROUTE`) or with the weights sharded by FSDP2
-over the ranks (`torchrun --nproc_per_node 2 this.py OUT FAMILY ROUTE`), in detach and exact mode; saves what
+"""Three LongStraw optimizer steps, run alone (`python this.py OUT FAMILY/ROUTE ...`) or with the weights sharded by
+FSDP2 over the ranks (`torchrun --nproc_per_node 2 this.py OUT FAMILY/ROUTE ...`), in detach and exact mode, for each
+case given, one after the other in the same processes (their imports and process group paid once); saves what
 `test_fsdp.py` compares. ROUTE: `fully_shard` (the model is sharded here, decoder layers then the causal LM, before the
 trainer gets it), `shard_weights` (the trainer shards it), `lora` (the trainer wraps it with LoRA from a `peft_config`,
 trains against the reference adapter with `beta > 0`, and shards it), `qlora` (the same on the model loaded in NF4
@@ -325,9 +326,14 @@ def tool_rollout() -> dict:
     return {"completions": list(COMPLETIONS), "tool_calls": logged["tools/call_frequency"]}
 
 
-def main(out: str, family: str, route: str) -> None:
+def main(out: str, *cases: str) -> None:
     if "RANK" in os.environ:
         dist.init_process_group("gloo")
+    for case in cases:
+        run_case(out, *case.split("/"))
+
+
+def run_case(out: str, family: str, route: str) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     if route == "tools":

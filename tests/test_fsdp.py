@@ -24,8 +24,10 @@ from .test_distributed import free_port
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
 
 
-def launch(tmp_path, family: str, route: str, launcher: str, processes: int = 2, single: bool = True) -> None:
-    """`fsdp_worker.py` on `processes` ranks and, with `single`, alone in one process beside them."""
+def launch(tmp_path, cases: list[str], launcher: str, processes: int = 2, single: list[str] | None = None) -> None:
+    """`fsdp_worker.py` on `processes` ranks for each of `cases` (`family/route`, one after the other in the same
+    ranks) and, for each of `single` (default: the same cases), alone in one process beside them."""
+    single = cases if single is None else single
     env = dict(os.environ, PYTHONPATH=os.getcwd(), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
     ranks_env = dict(env)
     binaries = os.path.dirname(sys.executable)
@@ -39,14 +41,12 @@ def launch(tmp_path, family: str, route: str, launcher: str, processes: int = 2,
         command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
         command += ["--main_process_port", str(free_port())]
     runs = [
-        subprocess.Popen(
-            [*command, WORKER, str(tmp_path), family, route], env=ranks_env, stderr=subprocess.PIPE, text=True
-        )
+        subprocess.Popen([*command, WORKER, str(tmp_path), *cases], env=ranks_env, stderr=subprocess.PIPE, text=True)
     ]
     if single:
         runs.append(
             subprocess.Popen(
-                [sys.executable, WORKER, str(tmp_path), family, route], env=env, stderr=subprocess.PIPE, text=True
+                [sys.executable, WORKER, str(tmp_path), *single], env=env, stderr=subprocess.PIPE, text=True
             )
         )
     for run in runs:
@@ -86,6 +86,41 @@ def assert_takes_the_single_process_steps(single: dict, sharded: dict, shards: i
         assert got["collectives"]["reduce_scatter_single"] == 3 * got["sharded_modules"]
 
 
+TORCHRUN_CASES = [
+    (
+        "qwen3",
+        "qlora",
+    ),  # LoRA from a peft_config, beta > 0, on NF4 weights (bitsandbytes), packed 4-bit weights sharded
+    ("qwen3_5", "fully_shard"),  # GatedDeltaNet hybrid, sharded before the trainer gets it
+    ("qwen3_moe", "shard_weights"),  # MoE
+    # parameters of fewer rows than ranks leave rank 1 an empty shard: dense Qwen3 with one-row MLP projections
+    # (fsdp_worker.VARIANTS), and Qwen3-Next (GatedDeltaNet + gated attention + MoE), whose `shared_expert_gate` has one
+    # row
+    ("qwen3_one_row", "shard_weights"),
+    ("qwen3_next", "shard_weights"),
+    ("glm_moe_dsa", "fully_shard"),  # MLA + DSA + MoE
+    # passed by its directory: the trainer loads it sharded (each rank reads its rows: transformers' load-time FSDP2
+    # plan, whose final norm and LM head stay gathered from forward to backward); GLM-5 with LoRA added after the
+    # sharding (the adapter sharded then) and beta > 0
+    ("qwen3", "loaded"),
+    ("glm_moe_dsa", "loaded_lora"),
+]
+
+
+@pytest.fixture(scope="module")
+def torchrun_cases(tmp_path_factory):
+    """Every `TORCHRUN_CASES` case on 2 torchrun ranks and in one process, each set of processes running them all."""
+    out = tmp_path_factory.mktemp("fsdp2-torchrun")
+    launch(out, [f"{family}/{route}" for family, route in TORCHRUN_CASES], "torchrun")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, route", TORCHRUN_CASES)
+def test_two_fsdp2_ranks_take_the_single_process_steps(torchrun_cases, family, route):
+    assert_two_ranks_take_the_single_process_steps(torchrun_cases, family, route)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "family, route, launcher",
@@ -95,24 +130,14 @@ def assert_takes_the_single_process_steps(single: dict, sharded: dict, shards: i
         # (TRL's fsdp2.yaml; on CPU, Accelerate leaves an FSDP launch's processes alone: its variables on a
         # multi-process launch)
         ("qwen3", "lora", "fsdp2.yaml"),
-        ("qwen3", "qlora", "torchrun"),  # the same on NF4 weights (bitsandbytes), packed 4-bit weights sharded
-        ("qwen3_5", "fully_shard", "torchrun"),  # GatedDeltaNet hybrid, sharded before the trainer gets it
-        ("qwen3_moe", "shard_weights", "torchrun"),  # MoE
-        # parameters of fewer rows than ranks leave rank 1 an empty shard: dense Qwen3 with one-row MLP projections
-        # (fsdp_worker.VARIANTS), and Qwen3-Next (GatedDeltaNet + gated attention + MoE), whose `shared_expert_gate`
-        # has one row
-        ("qwen3_one_row", "shard_weights", "torchrun"),
-        ("qwen3_next", "shard_weights", "torchrun"),
-        ("glm_moe_dsa", "fully_shard", "torchrun"),  # MLA + DSA + MoE
-        # passed by its directory: the trainer loads it sharded (each rank reads its rows: transformers' load-time
-        # FSDP2 plan, whose final norm and LM head stay gathered from forward to backward); GLM-5 with LoRA added after
-        # the sharding (the adapter sharded then) and beta > 0
-        ("qwen3", "loaded", "torchrun"),
-        ("glm_moe_dsa", "loaded_lora", "torchrun"),
     ],
 )
-def test_two_fsdp2_ranks_take_the_single_process_steps(tmp_path, family, route, launcher):
-    launch(tmp_path, family, route, launcher)
+def test_two_fsdp2_ranks_launched_by_accelerate_take_the_single_process_steps(tmp_path, family, route, launcher):
+    launch(tmp_path, [f"{family}/{route}"], launcher)
+    assert_two_ranks_take_the_single_process_steps(tmp_path, family, route)
+
+
+def assert_two_ranks_take_the_single_process_steps(tmp_path, family: str, route: str) -> None:
     single = torch.load(tmp_path / f"{family}-{route}-world1-rank0.pt")
     for rank in range(2):
         sharded = torch.load(tmp_path / f"{family}-{route}-world2-rank{rank}.pt")
@@ -134,8 +159,7 @@ def test_four_fsdp2_ranks_in_two_context_parallel_groups_take_the_single_process
     group, replicated across the groups). Each CP group shares one prompt and its ranks their members and chunks, in
     step with the other group's passes; the reduced mean times the CP size is the data-parallel mean of each group's
     gradient."""
-    launch(tmp_path, "qwen3", "context_parallel", "torchrun", processes=4)
-    launch(tmp_path, "qwen3", "hybrid_shard", "torchrun", processes=4, single=False)
+    launch(tmp_path, ["qwen3/context_parallel", "qwen3/hybrid_shard"], "torchrun", 4, ["qwen3/context_parallel"])
     single = torch.load(tmp_path / "qwen3-context_parallel-world1-rank0.pt")  # one process: the same for both routes
     for route, shards in (("context_parallel", 4), ("hybrid_shard", 2)):
         for rank in range(4):
@@ -151,8 +175,7 @@ def test_groups_across_ranks_one_token_prompts_and_evaluation_under_fsdp2_take_t
     data, and an evaluation after training: the single-process steps, and the eval metrics of 2 data-parallel ranks
     without FSDP2 (TRL's eval loss is a mean of per-batch losses over the ranks' batches: it depends on how the eval
     rows are dealt to ranks, not on the sharding)."""
-    launch(tmp_path, "qwen3", "ragged", "torchrun")
-    launch(tmp_path, "qwen3", "ragged_unsharded", "torchrun", single=False)
+    launch(tmp_path, ["qwen3/ragged", "qwen3/ragged_unsharded"], "torchrun", single=["qwen3/ragged"])
     single = torch.load(tmp_path / "qwen3-ragged-world1-rank0.pt")
     unsharded = torch.load(tmp_path / "qwen3-ragged_unsharded-world2-rank0.pt")
     for rank in range(2):
@@ -166,8 +189,7 @@ def test_groups_across_ranks_one_token_prompts_and_evaluation_under_fsdp2_take_t
 def test_the_moe_load_balancing_loss_under_fsdp2_trains_as_on_unsharded_ranks(tmp_path):
     """Qwen3-MoE with TRL's load-balancing loss (router_aux_loss_coef=0.5): TRL computes it over each rank's rows, so
     the reference is the same 2 data-parallel ranks without FSDP2, not one process."""
-    launch(tmp_path, "qwen3_moe", "load_balancing", "torchrun", single=False)
-    launch(tmp_path, "qwen3_moe", "load_balancing_unsharded", "torchrun", single=False)
+    launch(tmp_path, ["qwen3_moe/load_balancing", "qwen3_moe/load_balancing_unsharded"], "torchrun", single=[])
     for rank in range(2):
         unsharded = torch.load(tmp_path / f"qwen3_moe-load_balancing_unsharded-world2-rank{rank}.pt")
         sharded = torch.load(tmp_path / f"qwen3_moe-load_balancing-world2-rank{rank}.pt")
@@ -181,7 +203,7 @@ def test_the_moe_load_balancing_loss_under_fsdp2_trains_as_on_unsharded_ranks(tm
 def test_tool_calling_under_fsdp2_decodes_the_single_process_turns(tmp_path):
     """Greedy rollouts of the tool-calling model through TRL's tool loop: the ranks' rows may take different numbers
     of turns, and the generation ends for every rank after the loop (the trainer's `_tool_call_loop`)."""
-    launch(tmp_path, "tool_calling", "tools", "torchrun")
+    launch(tmp_path, ["tool_calling/tools"], "torchrun")
     single = torch.load(tmp_path / "tool_calling-tools-world1-rank0.pt")["rollout"]
     sharded = torch.load(tmp_path / "tool_calling-tools-world2-rank0.pt")["rollout"]
     assert single["tool_calls"] > 0

@@ -190,7 +190,7 @@ def test_update_matches_the_reference_on_random_batches(
         trainer.model.zero_grad(set_to_none=True)
     ours.engine.prefill_chunk_size = case["prefill_chunk_size"]
     ours.engine.attention_chunk_size = case["attention_chunk_size"]
-    ours._kept = None  # a new generation batch (`_generate_and_score_completions` drops the kept state too)
+    ours._kept.invalidate()  # a new generation batch (`_generate_and_score_completions` drops the kept state too)
     if case["scored_first"]:  # TRL's old log-probs: the whole batch scored under no grad, its last state kept
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)

@@ -71,6 +71,10 @@ class PromptState:
         ]
         self.final_layer_idx = plans[-1].layer_idx
         self._by_mixer = {id(layer.mixer): layer for layer in self.layers}
+        # the state serving each (layer, role) of the Cache API, looked up on every call (`of_layer`)
+        self._by_role = {
+            (layer.layer_idx, role): layer for layer in reversed(self.layers) for role in type(layer).roles
+        }
         self.extends_masks = any(type(layer).extends_masks for layer in self.layers)
         # A MoE policy trained with the load-balancing loss: the captured tokens' routing sums (load_balancing.py), set
         # to zero sums by a capture that records them.
@@ -145,9 +149,9 @@ class PromptState:
 
     def of_layer(self, layer_idx: int, role: str) -> LayerState:
         """The state of layer `layer_idx` that serves `role` (`registry.ROLES`): the Cache API call the layer made."""
-        for layer in self.layers:
-            if layer.layer_idx == layer_idx and role in type(layer).roles:
-                return layer
+        layer = self._by_role.get((layer_idx, role))
+        if layer is not None:
+            return layer
         raise UnpreparedModelError(
             f"Layer {layer_idx} made a {role!r} call of the Cache API, which no state kind of its layer plan serves: "
             "the model's layer types and its modules disagree.",
