@@ -23,8 +23,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	# two workers of one thread each (pytest-xdist), whole modules each, the longest first (tests/conftest.py)
-	WANDB_MODE=offline OMP_NUM_THREADS=1 $(PYTHON) -m pytest -n 2 --dist loadscope
+	WANDB_MODE=offline $(PYTHON) -m pytest
 
 clean:
 	rm -rf $(VENV) outputs wandb .pytest_cache

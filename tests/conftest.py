@@ -16,27 +16,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 GROUP_SIZE = 3
 
 
-# The modules that take the longest on 2 cores (measured: `pytest --durations`), run first: `make test` deals whole
-# modules to 2 workers (pytest-xdist, `--dist loadscope`: a module's fixtures, such as a fork of gloo ranks or a batch
-# of simulations, are then computed once), and the longest ones last would leave one worker running alone.
-LONGEST_FIRST = (
-    "test_fsdp",
-    "test_simulation",
-    "test_context_parallel_trainer",
-    "test_properties",
-    "test_context_parallel",
-    "test_drop_in",
-    "test_distributed",
-    "test_preemption",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    """The longest modules first (`LONGEST_FIRST`), each module's tests in their order."""
-    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
-
-
 def length_reward(completions, **kwargs):
     return [float(len(completion)) for completion in completions]
 
