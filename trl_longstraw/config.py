@@ -30,10 +30,19 @@ FP16_REFUSED = "fp16=True is not supported: the per-member backward bypasses the
 FSDP_TAKEN_FROM_ACCELERATE = "LONGSTRAW_FSDP_FROM_ACCELERATE"
 
 
+def model_init_kwargs(args) -> dict:
+    """The keyword arguments GRPOTrainer loads a model id with (`args.model_init_kwargs`, none if unset)."""
+    return args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
+
+
 def remote_code_trusted(args) -> bool:
     """Whether the model's own code may run: `model_init_kwargs`' `trust_remote_code`, else the config's."""
-    init_kwargs = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
-    return bool(init_kwargs.get("trust_remote_code", args.trust_remote_code))
+    return bool(model_init_kwargs(args).get("trust_remote_code", args.trust_remote_code))
+
+
+def loading_quantization(args, quantization_config):
+    """The quantization a model id is loaded with: the trainer's `quantization_config`, else `model_init_kwargs`'."""
+    return quantization_config or model_init_kwargs(args).get("quantization_config")
 
 
 def env_flag(name: str) -> bool:

@@ -140,19 +140,17 @@ def sharded_loading_kwargs(config, args, quantization_config, peft_config) -> di
     """`args.model_init_kwargs` for a model the trainer loads by id under `shard_weights` (`load_sharded_kwargs`),
     from its config and the trainer's `quantization_config` and `peft_config`."""
     from .architectures import model_skeleton
-    from .config import remote_code_trusted
+    from .config import loading_quantization, model_init_kwargs, remote_code_trusted
 
-    init_kwargs = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
     layers = model_skeleton(config, trust_remote_code=remote_code_trusted(args)).get_decoder().layers
     other_layer_classes = args.shard_layer_classes is not None and set(args.shard_layer_classes) != {
         type(layer).__name__ for layer in layers
     }
-    quantization = quantization_config or init_kwargs.get("quantization_config")
     return load_sharded_kwargs(
-        init_kwargs,
+        model_init_kwargs(args),
         args.world_size,
         other_layer_classes,
-        quantized=quantization is not None,
+        quantized=loading_quantization(args, quantization_config) is not None,
         reference_model=args.beta != 0.0 and peft_config is None,
     )
 

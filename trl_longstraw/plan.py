@@ -427,12 +427,13 @@ def trainer_setup(config: PretrainedConfig, model, args, peft_config=None, quant
     was given (GRPOTrainer's `peft_config` and `quantization_config` arguments)."""
     from peft import PeftModel
 
+    from .config import loading_quantization, model_init_kwargs
+
     if peft_config is None and isinstance(model, PeftModel):
         peft_config = model.active_peft_config
-    init_kwargs = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
     if isinstance(model, str):
-        quantization = quantization_config or init_kwargs.get("quantization_config")
-        dtype = init_kwargs.get("dtype", "auto")
+        quantization = loading_quantization(args, quantization_config)
+        dtype = model_init_kwargs(args).get("dtype", "auto")
         dtype = (getattr(config, "dtype", None) or torch.get_default_dtype()) if dtype == "auto" else dtype
     else:
         quantization = getattr(model.config, "quantization_config", None)
