@@ -139,6 +139,7 @@ def load_sharded_kwargs(
 def sharded_loading_kwargs(config, args, quantization_config, peft_config) -> dict:
     """`args.model_init_kwargs` for a model the trainer loads by id under `shard_weights` (`load_sharded_kwargs`),
     from its config and the trainer's `quantization_config` and `peft_config`."""
+    # here, not at the top: the planner imports this module and stays clear of TRL's import (config.py imports it)
     from .architectures import model_skeleton
     from .config import loading_quantization, model_init_kwargs, remote_code_trusted
 

@@ -23,23 +23,16 @@ class ParallelLayout:
     """This rank's place in the run.
 
     Args:
-        world_size: processes in the run.
         context_parallel: ranks per CP group, sharing one prompt's state (1: none).
         weight_shards: ranks each parameter is sharded over by FSDP2 (1: every rank holds the whole weights).
         cp_group: this rank's CP group (None without context parallelism).
         shard_group: the process group whose passes FSDP2 keeps in step (None without sharded weights).
     """
 
-    world_size: int = 1
     context_parallel: int = 1
     weight_shards: int = 1
     cp_group: ContextParallelGroup | None = None
     shard_group: dist.ProcessGroup | None = None
-
-    @property
-    def data_parallel(self) -> int:
-        """The CP groups of the run, each training on rows of its own."""
-        return self.world_size // self.context_parallel
 
     @classmethod
     def build(
@@ -47,14 +40,11 @@ class ParallelLayout:
     ) -> ParallelLayout:
         """The layout of a launch with `context_parallel_size` ranks per CP group (their groups built, every rank
         creating every group, with `timeout`) for `causal_lm` as sharded (or not) by `fsdp.parallelize`."""
-        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        sharded = is_sharded(causal_lm)
         return cls(
-            world_size=world_size,
             context_parallel=context_parallel_size,
             weight_shards=shard_count(causal_lm),
             cp_group=build_context_parallel_group(context_parallel_size, timeout)
             if context_parallel_size > 1
             else None,
-            shard_group=sharded_mesh_group(causal_lm) if sharded else None,
+            shard_group=sharded_mesh_group(causal_lm) if is_sharded(causal_lm) else None,
         )
