@@ -343,12 +343,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         return state if state is not None else self._capture(causal_lm, group, "capture")
 
     def _score_groups(self, causal_lm, groups, completion_ids, reference: bool, router_load: bool):
-        """No-grad log-probs and entropies `[batch, completion_len]` of every row, one prompt state at a time, the
-        order used, and with `router_load` the rows' [`RouterLoad`] (each group's prompt counted once per row).
+        """No-grad log-probs and entropies `[batch, completion_len]` of every row (`LongStrawEngine.score_group`), one
+        prompt state at a time, the order used, and with `router_load` the rows' [`RouterLoad`].
 
-        Members are scored one at a time, like they are replayed: batching them would make the scoring peak grow with
-        the group size (measured: 0.16 to 0.85 GiB from G = 2 to 16 at P = 8K). For the policy, the group whose state
-        is kept goes first (no capture) and the last group's state stays kept.
+        For the policy, the group whose state is kept goes first (no capture) and the last group's state stays kept.
         """
         kept = self._kept.group
         if not reference and kept is not None:
@@ -362,26 +360,17 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 state = self._policy_state(causal_lm, group)
             rows = torch.tensor(group.rows, device=completion_ids.device)
             with self._phase("score"), torch.no_grad(), self.accelerator.autocast():
-                group_logps, group_entropies, *members_load = self.engine.score(
-                    causal_lm,
-                    state,
-                    group.prompt_ids[-1:],
-                    completion_ids[rows],
-                    torch.tensor(group.completion_lengths),
-                    batch_size=1,
-                    router_load=router_load,
-                )
-                scored = "the reference model's scored log-probs" if reference else "the scored log-probs"
-                self._check_members(torch.isfinite(group_logps).all(dim=1), scored, group)
+                scores = self.engine.score_group(causal_lm, state, group, completion_ids[rows], router_load)
+            scored = "the reference model's scored log-probs" if reference else "the scored log-probs"
+            self._check_members(torch.isfinite(scores.logps).all(dim=1), scored, group)
             if router_load:
-                group_load = state.router_load.times(len(group.rows)) + members_load[0]
-                load = group_load if load is None else load + group_load
+                load = scores.router_load if load is None else load + scores.router_load
             if logps is None:
-                logps = group_logps.new_zeros(completion_ids.shape)
-                entropies = group_logps.new_zeros(completion_ids.shape)
-            logps[rows.to(logps.device)] = group_logps.to(logps.device)
-            if group_entropies is not None:  # None: every member of the group is empty (e.g. all truncated)
-                entropies[rows.to(entropies.device)] = group_entropies.to(entropies)
+                logps = scores.logps.new_zeros(completion_ids.shape)
+                entropies = scores.logps.new_zeros(completion_ids.shape)
+            logps[rows.to(logps.device)] = scores.logps
+            if scores.entropies is not None:  # None: every member of the group is empty (e.g. all truncated)
+                entropies[rows.to(entropies.device)] = scores.entropies.to(entropies)
             if not reference:
                 self._kept.keep(group, state)
             del state
@@ -450,17 +439,15 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         self, causal_lm, groups, completion_ids, grad_logps, grad_entropies, router_weights=None
     ) -> None:
         """Replay each member under autograd and back-propagate `d loss / d logp` (and `d loss / d entropy`, and
-        with `router_weights` the load-balancing loss's gradient through the routing of its tokens).
+        with `router_weights` the load-balancing loss's gradient through the routing of its tokens): each group's
+        share is `LongStrawEngine.update_group` (exact mode's prompt backward included).
 
         Groups are replayed in the order given (the last scored first: its state is still alive). A group whose
         gradient is zero (equal rewards and `beta = 0`, or every member masked, and no load-balancing loss) is not
         replayed, but the optimizer still gets what stock gives it: every parameter the update reaches ends with a
         gradient, zeros if nothing reached it this step (AdamW skips a parameter whose `.grad` is None: no step
-        count, no weight decay). In exact mode each replayed group then pushes its state's gradient into the
-        parameters (`backward_prompt`), with the load-balancing loss's share through its prompt tokens' routing
-        (once per row of the group, as each of stock's rows carries the prompt). Under reentrant activation
-        checkpointing the router logits carry no graph (in stock too, whose loss then gets none of this gradient):
-        as in stock, the load-balancing loss then adds nothing to the gradient, prompt included.
+        count, no weight decay). Under reentrant activation checkpointing the router logits carry no graph (in stock
+        too, whose loss then gets none of this gradient): as in stock, the load-balancing loss then adds nothing.
         """
         exact = self.args.prompt_gradient == "exact"
         replayed = False
@@ -483,33 +470,21 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 if group_grad is None:
                     group_grad = torch.zeros(len(group.rows), completion_ids.shape[1], device=completion_ids.device)
                 state = self._policy_state(causal_lm, group)
-                if exact:
-                    state.requires_grad_()  # its gradient buffers make it single-use: never kept
-                with self._phase("replay"):
-                    # under context parallelism each rank replays its own members, the group's ranks in step
-                    replayed_here = self.engine.replay_group(
-                        causal_lm,
-                        state,
-                        group.prompt_ids[-1:],
-                        completion_ids[rows],
-                        group.completion_lengths,
-                        group_grad,
-                        group_grad_entropies,
-                        router_weights,
-                        autocast=self.accelerator.autocast,
-                    )
-                    self._check_members(replayed_here.finite, "the replayed log-probs", group, replayed_here.members)
+                # under context parallelism each rank replays its own members, the group's ranks in step
+                replayed_here = self.engine.update_group(
+                    causal_lm,
+                    state,
+                    group,
+                    completion_ids[rows],
+                    group_grad,
+                    group_grad_entropies,
+                    router_weights,
+                    autocast=self.accelerator.autocast,
+                    phase=self._phase,
+                )
+                self._check_members(replayed_here.finite, "the replayed log-probs", group, replayed_here.members)
                 replayed = replayed or bool(replayed_here.members)
-                routing_detached = replayed_here.routing_detached
-                if exact:
-                    with self._phase("prompt_backward"), self.accelerator.autocast():
-                        self.engine.backward_prompt(
-                            causal_lm,
-                            state,
-                            group.prompt_ids,
-                            None if router_weights is None or routing_detached else router_weights * len(group.rows),
-                        )
-                else:
+                if not exact:  # exact mode's state has gradient buffers: single-use
                     self._kept.keep(group, state)
                 del state
             if self._sharded is not None:  # FSDP2 reduces the gradients, once per window (fsdp.py)

@@ -4,11 +4,11 @@ parallelised and trained as the trainer would, every phase tracked.
 What runs is the library's own update code, in the trainer's order for one micro-step holding one whole group
 (`per_device_train_batch_size = num_generations`, the recipes' layout): the rollout's capture and `decode_steps`
 decoding steps (optional), the reference model's capture and scores (`beta != 0`), the old policy's scores
-(`num_iterations > 1`), the policy's scores that TRL's loss reads, the serial replays with their backward
-(`LongStrawEngine.replay_group`), exact mode's prompt backward, the gradients' reduction across ranks (FSDP2's
-reduce-scatter, or the data-parallel all-reduce) and the optimizer step. TRL's own loss arithmetic on the group's
-`[G, R]` scores is the one thing not run: its tensors are the scores and their gradient, allocated here as its
-backward would hand them over.
+(`num_iterations > 1`), the policy's scores that TRL's loss reads (`LongStrawEngine.score_group`), the serial replays
+with their backward and exact mode's prompt backward (`LongStrawEngine.update_group`, as the trainer calls them), the
+gradients' reduction across ranks (FSDP2's reduce-scatter, or the data-parallel all-reduce) and the optimizer step.
+TRL's own loss arithmetic on the group's `[G, R]` scores is the one thing not run: its tensors are the scores and their
+gradient, allocated here as its backward would hand them over.
 
 Every setting the planner takes is honoured as the trainer honours it: the model's dtype and autocast, NF4 weights
 (bitsandbytes' `Linear4bit`, quantised on the device), LoRA by PEFT (adapters in bf16 on a quantised model, as TRL casts
@@ -370,16 +370,18 @@ class GroupUpdate:
         return self.tracker.phase(name)
 
     def run(self) -> None:
+        from ..groups import PromptGroup
+
         spec, setup, engine, lm = self.spec, self.setup, self.engine, self.causal_lm
         vocab = lm.config.get_text_config().vocab_size
         generator = torch.Generator().manual_seed(spec.seed)
         prompt = torch.randint(vocab, (setup.prompt_tokens,), generator=generator).to(self.device)
         group = setup.group_size
         completions = torch.randint(vocab, (group, setup.completion_tokens), generator=generator).to(self.device)
-        lengths = [setup.completion_tokens] * group
+        whole_group = PromptGroup(0, list(range(group)), prompt, 0, [setup.completion_tokens] * group)
         chunks = -(-(setup.prompt_tokens - 1) // setup.prefill_chunk_size)
         members = len(engine.distribution.members(group))
-        last = prompt[-1:]
+        passes = {"replay": members, "prompt_backward": -(-chunks // spec.context_parallel)}
         state = None
         if spec.decode_steps:
             with self._phase("capture", chunks), torch.no_grad(), self.autocast():
@@ -393,7 +395,7 @@ class GroupUpdate:
                 with self._phase("capture_ref", chunks), torch.no_grad(), self.autocast():
                     reference = engine.capture(lm, prompt, 0)
                 with self._phase("score", members), torch.no_grad(), self.autocast():
-                    engine.score(lm, reference, last, completions, torch.tensor(lengths), batch_size=1)
+                    engine.score_group(lm, reference, whole_group, completions)
                 del reference
             self._finish_phase()
         scorings = 2 if spec.old_scores else 1  # the old policy's scores, then the loss's
@@ -402,18 +404,21 @@ class GroupUpdate:
                 with self._phase("capture", chunks), torch.no_grad(), self.autocast():
                     state = engine.capture(lm, prompt, 0)
             with self._phase("score", members), torch.no_grad(), self.autocast():
-                logps, entropies = engine.score(lm, state, last, completions, torch.tensor(lengths), batch_size=1)
+                scores = engine.score_group(lm, state, whole_group, completions)
             self._finish_phase()
+        logps = scores.logps
         grad_logps = torch.full_like(logps, 1.0 / logps.numel())  # TRL's loss's gradient, handed to the replay
-        del entropies
-        exact = spec.prompt_gradient == "exact"
-        if exact:
-            state.requires_grad_()
-        with self._phase("replay", members):
-            engine.replay_group(lm, state, last, completions, lengths, grad_logps, autocast=self.autocast)
-        if exact:
-            with self._phase("prompt_backward", -(-chunks // spec.context_parallel)), self.autocast():
-                engine.backward_prompt(lm, state, prompt)
+        del scores
+        engine.update_group(
+            lm,
+            state,
+            whole_group,
+            completions,
+            grad_logps,
+            autocast=self.autocast,
+            phase=lambda name: self._phase(name, passes[name]),
+        )
+        if spec.prompt_gradient == "exact":
             state = None  # its gradient buffers make it single-use: the trainer drops it
         del logps, grad_logps
         with self._phase("gradient_sync", None):
