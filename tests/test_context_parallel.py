@@ -6,13 +6,13 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from trl_longstraw.block_attention import AttentionScalars, KeyBlock
 from trl_longstraw.context_parallel import ContextParallelGroup, ShardLayout, capture_attention_pairs
 from trl_longstraw.context_parallel.step import StepCall
 
 from .context_parallel_worker import ROLLOUT_FAMILIES, run, run_data_and_context_parallel
+from .launch import fork_ranks
 
 # Dense attention, the GatedDeltaNet hybrid (qwen3_5: its one attention layer is the last, so the exact recompute's
 # cross-shard page gradients need qwen3_next, whose attention layers feed GatedDeltaNet layers), MLA latent pages.
@@ -45,7 +45,7 @@ def ranks(tmp_path_factory):
     os.environ["OMP_NUM_THREADS"] = "1"
     # fork: the ranks inherit this process's imports (transformers, TRL), which a spawn would redo in each (~15 s)
     args = (WORLD_SIZE, str(out / "init"), CASES, str(out))
-    mp.start_processes(run, args=args, nprocs=WORLD_SIZE, join=True, start_method="fork")
+    fork_ranks(run, args, WORLD_SIZE)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
 
 
@@ -245,7 +245,7 @@ def test_broadcasting_never_writes_into_the_sources_tensor(tmp_path):
 def test_data_times_context_parallel_ranks_end_with_the_mean_single_process_gradient(tmp_path, mode):
     """4 ranks, dp = 2 x cp = 2: CP groups {0, 1} and {2, 3} take one prompt each; the world averages gradients."""
     args = (4, str(tmp_path / "init"), mode, str(tmp_path))
-    mp.start_processes(run_data_and_context_parallel, args=args, nprocs=4, join=True, start_method="fork")
+    fork_ranks(run_data_and_context_parallel, args, 4)
     for rank in range(4):
         result = torch.load(tmp_path / f"dpcp-{mode}-rank{rank}.pt")
         assert result["context_ranks"] == [rank // 2 * 2, rank // 2 * 2 + 1]
@@ -406,7 +406,7 @@ def test_more_context_parallel_ranks_score_replay_and_back_propagate_as_one_proc
     os.environ["OMP_NUM_THREADS"] = "1"
     cases = MANY_RANK_CASES[world]
     args = (world, str(tmp_path / "init"), cases, [], str(tmp_path), "cpu")
-    mp.start_processes(run_on_device, args=args, nprocs=world, join=True, start_method="fork")
+    fork_ranks(run_on_device, args, world)
     ranks = [torch.load(tmp_path / f"cpu-rank{rank}.pt") for rank in range(world)]
     layout = ShardLayout.of(36, world, 8)
     for case in cases:

@@ -5,11 +5,12 @@ import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from trl_longstraw.context_parallel import ContextParallelError, ContextParallelGroup, check_protocol
 from trl_longstraw.context_parallel.protocol import protocol_signature
 from trl_longstraw.context_parallel.step import StepCall
+
+from .launch import fork_ranks
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def ranks_with_different_protocols(rank, world_size, init_file, out_dir):
 
 def test_ranks_running_different_protocols_all_raise_naming_the_fix(tmp_path):
     args = (2, str(tmp_path / "init"), str(tmp_path))
-    mp.start_processes(ranks_with_different_protocols, args=args, nprocs=2, join=True, start_method="fork")
+    fork_ranks(ranks_with_different_protocols, args, 2)
     for rank in range(2):
         outcome = (tmp_path / f"rank{rank}.txt").read_text()
         assert "run different versions of trl_longstraw's rank protocol" in outcome, rank

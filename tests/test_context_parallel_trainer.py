@@ -3,8 +3,6 @@ same loss, same grad norm, the same update of every weight, and bitwise the same
 modes; then evaluates the eval set one process evaluates."""
 
 import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +11,7 @@ from datasets import IterableDataset
 
 from trl_longstraw.validation import check_eval_batches, check_eval_dataset
 
-from .test_distributed import free_port
+from .launch import run_ranks
 
 WORKER = os.path.join(os.path.dirname(__file__), "context_parallel_trainer_worker.py")
 
@@ -23,19 +21,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "context_parallel_trainer_worke
 # IndexShare + MoE; MoE with the load-balancing loss (its prompt sums add up across the ranks)
 @pytest.mark.parametrize("family", ["tool_calling", "glm_moe_dsa", "qwen3_moe"])
 def test_two_context_parallel_ranks_take_the_single_process_step(tmp_path, family):
-    env = dict(os.environ, PYTHONPATH=os.getcwd(), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
-    launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    sharded = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
-    sharded += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
-    runs = [
-        subprocess.Popen([*sharded, WORKER, str(tmp_path), "2", family], env=env, stderr=subprocess.PIPE, text=True),
-        subprocess.Popen(
-            [sys.executable, WORKER, str(tmp_path), "1", family], env=env, stderr=subprocess.PIPE, text=True
-        ),
-    ]
-    for run in runs:
-        _, stderr = run.communicate(timeout=600)
-        assert run.returncode == 0, stderr[-4000:]
+    run_ranks([WORKER, str(tmp_path), "2", family], alone=[WORKER, str(tmp_path), "1", family])
     single = torch.load(tmp_path / "cp1-rank0.pt")
     ranks = [torch.load(tmp_path / f"cp2-rank{rank}.pt") for rank in range(2)]
     for mode in ("detach", "exact"):

@@ -3,44 +3,17 @@
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from .launch import run_ranks
 
 
 def launch(argument: str) -> list[dict]:
     """`distributed_worker.py argument` on 2 gloo ranks; each rank's report."""
-    launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    command = [
-        launcher,
-        "launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-        os.path.join(os.path.dirname(__file__), "distributed_worker.py"),
-        argument,
-    ]
-    env = dict(os.environ, PYTHONPATH=os.getcwd(), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, check=False)
-    assert result.returncode == 0, result.stderr[-4000:]
+    stdout = run_ranks([os.path.join(os.path.dirname(__file__), "distributed_worker.py"), argument])
     # the two ranks share stdout, so their lines may interleave: pick the reports out by pattern
-    reports = [json.loads(match) for match in re.findall(r"DP_REPORT (\{[^}]*\})", result.stdout)]
+    reports = [json.loads(match) for match in re.findall(r"DP_REPORT (\{[^}]*\})", stdout)]
     assert sorted(r["rank"] for r in reports) == [0, 1]
     return reports
 

@@ -8,12 +8,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from trl import GRPOTrainer
 
 from trl_longstraw import LongStrawGRPOTrainer
@@ -23,7 +21,7 @@ from trl_longstraw.plan import GIB, explain_out_of_memory, load_model_config, pl
 
 from .conftest import grads_of, make_trainer, synthetic_inputs
 from .fault_worker import PHASES, run
-from .test_distributed import free_port
+from .launch import fork_ranks, ranks_command, worker_env
 
 TIMEOUT_S = 4.0  # the group's timeout (the Trainer's ddp_timeout)
 SLACK_S = 3.0  # the faulty rank's peers may enter their blocking collective a little after the fault
@@ -38,7 +36,7 @@ def launch(tmp_path, world_size, phase, fault, faulty_rank):
     Each rank's recorded outcome, the fault's time, and the exit codes."""
     os.environ["OMP_NUM_THREADS"] = "1"
     args = (world_size, str(tmp_path / "init"), str(tmp_path), phase, fault, faulty_rank, TIMEOUT_S)
-    context = mp.start_processes(run, args=args, nprocs=world_size, join=False, start_method="fork")
+    context = fork_ranks(run, args, world_size, join=False)
     survivors = [rank for rank in range(world_size) if not (fault == "stall" and rank == faulty_rank)]
     deadline = time.monotonic() + 120  # the update itself, then the fault's bound: a hang fails the test here
     try:
@@ -95,11 +93,8 @@ def test_the_phase_is_known_inside_it_and_an_error_leaving_it_is_noted():
 def test_the_trainer_honours_ddp_timeout_when_a_context_parallel_rank_stalls(tmp_path):
     """`accelerate launch`, context_parallel_size=2, ddp_timeout=5: rank 1 stalls in the capture; rank 0's `train()`
     raises within the timeout, naming the phase and the silent rank."""
-    env = dict(os.environ, PYTHONPATH=os.getcwd(), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
-    launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    command = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
-    command += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
-    command += ["-m", "tests.fault_worker", str(tmp_path), "5"]
+    env = worker_env()
+    command = [*ranks_command(2), "-m", "tests.fault_worker", str(tmp_path), "5"]
     log = tmp_path / "launch.log"
     with open(log, "w") as output:  # the launcher ends the stalled rank once rank 0 has failed
         run = subprocess.Popen(command, env=env, stdout=output, stderr=output, start_new_session=True)

@@ -3,8 +3,6 @@ grad norm and weights over 3 steps in both modes, half the parameter, gradient a
 reduce-scatter per sharded module per optimizer step, and the same greedy rollouts."""
 
 import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -19,39 +17,25 @@ from trl_longstraw.embedded import build_model, build_tokenizer
 from trl_longstraw.fsdp import load_sharded_kwargs
 
 from .conftest import accelerate_launch_env
-from .test_distributed import free_port
+from .launch import run_ranks, worker_env
 
 WORKER = os.path.join(os.path.dirname(__file__), "fsdp_worker.py")
 
 
 def launch(tmp_path, cases: list[str], launcher: str, processes: int = 2, single: list[str] | None = None) -> None:
     """`fsdp_worker.py` on `processes` ranks for each of `cases` (`family/route`, one after the other in the same
-    ranks) and, for each of `single` (default: the same cases), alone in one process beside them."""
+    ranks) and, for each of `single` (default: the same cases), alone in one process beside them. `launcher`:
+    "torchrun", "accelerate", or "fsdp2.yaml" (what `accelerate launch --config_file configs/accelerate/fsdp2.yaml`
+    exports, on an accelerate launch)."""
     single = cases if single is None else single
-    env = dict(os.environ, PYTHONPATH=os.getcwd(), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
-    ranks_env = dict(env)
-    binaries = os.path.dirname(sys.executable)
-    if launcher == "fsdp2.yaml":  # what `accelerate launch --config_file configs/accelerate/fsdp2.yaml` exports
-        ranks_env.update(accelerate_launch_env("configs/accelerate/fsdp2.yaml"))
-    if launcher == "torchrun":
-        command = [os.path.join(binaries, "torchrun"), "--nproc_per_node", str(processes)]
-        command += ["--master_port", str(free_port())]
-    else:
-        command = [os.path.join(binaries, "accelerate"), "launch", "--multi_gpu", "--num_processes", str(processes)]
-        command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-        command += ["--main_process_port", str(free_port())]
-    runs = [
-        subprocess.Popen([*command, WORKER, str(tmp_path), *cases], env=ranks_env, stderr=subprocess.PIPE, text=True)
-    ]
-    if single:
-        runs.append(
-            subprocess.Popen(
-                [sys.executable, WORKER, str(tmp_path), *single], env=env, stderr=subprocess.PIPE, text=True
-            )
-        )
-    for run in runs:
-        _, stderr = run.communicate(timeout=600)
-        assert run.returncode == 0, stderr[-4000:]
+    env = worker_env(**accelerate_launch_env("configs/accelerate/fsdp2.yaml")) if launcher == "fsdp2.yaml" else None
+    run_ranks(
+        [WORKER, str(tmp_path), *cases],
+        processes,
+        "torchrun" if launcher == "torchrun" else "accelerate",
+        alone=[WORKER, str(tmp_path), *single] if single else None,
+        env=env,
+    )
 
 
 def assert_takes_the_single_process_steps(single: dict, sharded: dict, shards: int) -> None:

@@ -13,6 +13,7 @@ from trl_longstraw.embedded import FAMILIES, build_model
 from trl_longstraw.engine import LongStrawEngine
 from trl_longstraw.faults import PhaseOutOfMemoryError, in_phase
 
+from .launch import fork_ranks
 from .test_attention import CAUSAL, VISIBILITIES, inputs, ours
 from .test_attention import test_bf16_under_autocast_accumulates_like_fp32 as bf16_autocast_check
 from .test_engine import case, full_forward, prepared
@@ -157,13 +158,11 @@ CONTEXT_PARALLEL_CASES = [("qwen3", "exact"), ("qwen3_5", "detach"), ("glm_moe_d
 def test_context_parallel_ranks_on_cuda_give_the_single_process_results(tmp_path):
     import os
 
-    import torch.multiprocessing as mp
-
     from .context_parallel_worker import run_on_device
 
     os.environ["OMP_NUM_THREADS"] = "1"
     args = (2, str(tmp_path / "init"), CONTEXT_PARALLEL_CASES, ["glm_moe_dsa"], str(tmp_path))
-    mp.start_processes(run_on_device, args=args, nprocs=2, join=True, start_method="spawn")  # CUDA forbids fork
+    fork_ranks(run_on_device, args, 2, start_method="spawn")  # CUDA forbids fork
     ranks = [torch.load(tmp_path / f"cuda-rank{rank}.pt") for rank in range(2)]
     for family_mode in CONTEXT_PARALLEL_CASES:
         for rank in ranks:

@@ -8,7 +8,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from transformers import DynamicCache, GenerationConfig
 
@@ -20,6 +19,7 @@ from trl_longstraw.state import STATE_KINDS, LayerState, register_state_kind
 from trl_longstraw.state.registry import LayerAccount, find_child
 
 from .context_parallel_worker import relative_errors, rollouts, update
+from .launch import fork_ranks
 from .test_engine import case, full_forward, prepared
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -256,7 +256,7 @@ def sharded_against_one_process(rank, world_size, init_file, out_dir):
 def test_two_rank_context_parallelism_gives_the_single_process_scores_gradients_and_tokens(tmp_path):
     os.environ["OMP_NUM_THREADS"] = "1"
     args = (2, str(tmp_path / "init"), str(tmp_path))
-    mp.start_processes(sharded_against_one_process, args=args, nprocs=2, join=True, start_method="fork")
+    fork_ranks(sharded_against_one_process, args, 2)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         assert results["same_tokens"]

@@ -19,10 +19,10 @@ from transformers import TrainerControl, TrainerState
 from trl_longstraw.faults import in_phase
 from trl_longstraw.preemption import Preempted, PreemptionCallback
 
-from .test_distributed import free_port
+from .launch import ranks_command, worker_env
 
 WORKER = os.path.join(os.path.dirname(__file__), "preemption_worker.py")
-ENV = dict(os.environ, PYTHONPATH=os.getcwd(), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+ENV = worker_env()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -181,12 +181,9 @@ def test_sigterm_to_a_context_parallel_launch_stops_both_ranks_and_resuming_ends
     """cp = 2 under `accelerate launch`: both ranks wait in the replay of step 3, then the launcher's process group
     gets SIGTERM (as a scheduler sends it; torchrun forwards it to the ranks again). Both ranks stop with
     `Preempted`, checkpoint-2 is complete, and resuming at cp = 2 ends as the uninterrupted cp = 2 run, bitwise."""
-    launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
 
     def launch(out, log, *arguments):
-        command = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
-        command += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())]
-        return start([*command, WORKER, str(out), "2", *arguments], log)
+        return start([*ranks_command(2), WORKER, str(out), "2", *arguments], log)
 
     interrupted, log = tmp_path / "interrupted", tmp_path / "interrupted.log"
     interrupted.mkdir()

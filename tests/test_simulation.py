@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from trl_longstraw.accounting import UpdateSetup
 from trl_longstraw.embedded import tiny_config
 from trl_longstraw.plan import load_model_config, recipe_plan_inputs
 from trl_longstraw.simulation import busiest_rank, run_simulations
 from trl_longstraw.simulation.update import SimulationSpec, run
+
+from .launch import fork_ranks
 
 FAMILIES = {"dense": "qwen3", "hybrid": "qwen3_5", "mla_dsa_moe": "glm_moe_dsa"}
 MODES = ("detach", "exact")
@@ -116,7 +117,7 @@ def _real_rank(rank: int, world: int, init: str, out: str) -> None:
 def real_ranks(tmp_path_factory):
     """Every 2-rank case's real run on both gloo ranks, from one fork (its imports paid once)."""
     out = tmp_path_factory.mktemp("simulation-ranks")
-    mp.start_processes(_real_rank, args=(2, str(out / "init"), str(out)), nprocs=2, join=True, start_method="fork")
+    fork_ranks(_real_rank, (2, str(out / "init"), str(out)))
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
