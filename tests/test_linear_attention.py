@@ -8,15 +8,16 @@ import torch
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
 from trl_longstraw.embedded import build_model
-from trl_longstraw.state.linear_attention import (
-    is_gated_deltanet,
+from trl_longstraw.ops.gated_delta_rule import (
+    StateGradientHandOff,
+    StatePassing,
     kernel_rule_with_deferred_start,
     kernel_rule_with_state_gradient_hand_off,
-    state_passing_rule,
+    naive_gated_delta_rule,
     torch_rule_with_deferred_start,
     torch_rule_with_state_gradient_hand_off,
 )
-from trl_longstraw.state.recurrent import StateGradientHandOff
+from trl_longstraw.state.linear_attention import is_gated_deltanet, state_passing_rule
 
 
 def rule_inputs(tokens: int, seed: int = 0):
@@ -47,6 +48,40 @@ def test_a_deferred_starting_state_gives_the_rule_run_from_it(tokens, route):
     torch.testing.assert_close(final, want_final, rtol=1e-5, atol=1e-6)
 
 
+def test_the_chunked_rules_follow_the_token_by_token_recurrence():
+    """The naive reference against transformers' chunked rule and ours (from a starting state, in 3 blocks of 64),
+    with the L2-normalised queries and keys every GatedDeltaNet model uses (unnormalised random keys make the rule
+    itself unstable)."""
+    l2norm = True
+    inputs, start = rule_inputs(150)
+    inputs = tuple(x.double() for x in inputs)
+    start = start.double()
+    want, want_final = naive_gated_delta_rule(*inputs, initial_state=start, use_qk_l2norm_in_kernel=l2norm)
+    theirs, their_final = torch_chunk_gated_delta_rule(
+        *inputs, initial_state=start, output_final_state=True, use_qk_l2norm_in_kernel=l2norm
+    )
+    ours, our_final = torch_rule_with_deferred_start(*inputs, lambda: start, use_qk_l2norm_in_kernel=l2norm)
+    for got, final in ((theirs, their_final), (ours, our_final)):
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(final.double(), want_final.double(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_state_passing_is_one_thing_and_one_is_pending_at_a_time():
+    """A call either starts late or hands its gradients off; a rule handed a second one while the first was never
+    taken refuses it (the first would otherwise reach a later, unrelated call)."""
+    with pytest.raises(ValueError, match="exactly one"):
+        StatePassing()
+    with pytest.raises(ValueError, match="exactly one"):
+        StatePassing(start=lambda: None, hand_off=StateGradientHandOff(None, None))
+    model = build_model("qwen3_5", seed=0)
+    rule = state_passing_rule(next(module for module in model.modules() if is_gated_deltanet(module)))
+    first = StatePassing(start=lambda: None)
+    rule.expect(first)
+    with pytest.raises(RuntimeError, match="still pending"):
+        rule.expect(StatePassing(start=lambda: None))
+    assert rule.withdraw() is first and rule.expected is None
+
+
 def test_the_starting_state_is_asked_for_after_the_zero_state_pass():
     """What lets the previous chunk's rank finish its own rule meanwhile: `start()` runs once, after the zero-state
     scan (here: after the rule has read every input)."""
@@ -65,9 +100,10 @@ def test_the_mixer_runs_its_own_kernel_unless_a_starting_state_is_pending():
         rule = state_passing_rule(mixer)
         assert state_passing_rule(mixer) is rule  # put in place once
         torch.testing.assert_close(mixer(hidden), want, rtol=0, atol=0)  # nothing pending: the model's own rule
-        rule.pending_start = lambda: torch.zeros(1, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
+        passing = StatePassing(start=lambda: torch.zeros(1, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim))
+        rule.expect(passing)
         torch.testing.assert_close(mixer(hidden), want, rtol=1e-5, atol=1e-6)  # from a zero state: the same
-    assert rule.pending_start is None and rule.deferred_runs == 1
+    assert passing.taken and rule.expected is None and rule.deferred_runs == 1
 
 
 def test_a_kernel_forward_replaced_after_the_rule_was_put_in_place_is_wrapped_again():
@@ -82,10 +118,10 @@ def test_a_kernel_forward_replaced_after_the_rule_was_put_in_place_is_wrapped_ag
     kernel.forward = types.MethodType(lambda module, *args, **kwargs: first.kernel(*args, **kwargs), kernel)
     rule = state_passing_rule(mixer)
     assert rule is not first
-    rule.pending_start = lambda: torch.zeros(1, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)
+    rule.expect(StatePassing(start=lambda: torch.zeros(1, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim)))
     with torch.no_grad():
         mixer(torch.randn(1, 5, model.config.hidden_size))
-    assert rule.deferred_runs == 1 and rule.pending_start is None
+    assert rule.deferred_runs == 1 and rule.expected is None
 
 
 def rule_gradients(rule, inputs, start, d_out, d_final):
@@ -162,8 +198,9 @@ def test_a_pending_hand_off_is_taken_by_the_next_rule_call_only():
     with torch.no_grad():
         want = mixer(hidden)
         rule = state_passing_rule(mixer)
-        rule.pending_hand_off = StateGradientHandOff(receive=None, send=None)
-        with pytest.raises(RuntimeError, match="no final state"):
+        passing = StatePassing(hand_off=StateGradientHandOff(receive=None, send=None))
+        rule.expect(passing)
+        with pytest.raises(RuntimeError, match="without a final state"):
             mixer(hidden)
-        assert rule.pending_hand_off is None and rule.hand_off_runs == 0
+        assert rule.expected is None and rule.hand_off_runs == 0 and not passing.taken
         torch.testing.assert_close(mixer(hidden), want, rtol=0, atol=0)  # the model's own rule again

@@ -30,8 +30,8 @@ from collections import Counter
 import torch
 
 from ..block_attention import AttentionScalars, KeyBlock
+from ..ops.gated_delta_rule import StateGradientHandOff, StatePassing
 from ..state import LayerState, PromptState
-from ..state.recurrent import StateGradientHandOff
 from .communication import ContextParallelGroup
 from .merge import merge_across, merge_topk, partial_attention
 from .sharding import ContextParallelError, ShardLayout
@@ -71,7 +71,8 @@ class ShardedPromptState(PromptState):
         self._sending: list = []  # the hand-offs in flight (capture: states; recompute: their gradients)
         self._hooks: list = []  # recompute: the starting states' gradient hand-offs
         self._wrapped: set[int] = set()  # recompute: the recorded final states already wrapped
-        self._hand_offs: dict[int, StateGradientHandOff] = {}  # recompute: chunk-state tag -> its rule's hand-off
+        self._deferred: dict[int, StatePassing] = {}  # capture: id(layer state) -> its rule's deferred start
+        self._hand_offs: dict[int, StatePassing] = {}  # recompute: chunk-state tag -> its rule's hand-off
         self._unread: list = []  # recompute: (like, source, tag) of the hand-offs no backward will receive
         self._chunk_state_tags: dict[int, int] = {}  # id(layer state) -> its first chunk state's message tag
         for layer in self.layers:
@@ -306,13 +307,17 @@ class ShardedPromptState(PromptState):
             self.starting_chunk_states(access, layer, slot)
             return self.geometry.placement.stage(layer.chunk_states()[slot][-1], layer.device)
 
-        return layer.defer_start(start)
+        passing = StatePassing(start=start)
+        if not layer.pass_state(passing):
+            return False
+        self._deferred[id(layer)] = passing
+        return True
 
     def hands_off_state_gradients(self, access, layer: LayerState) -> None:
         """State passing backward (exact mode's recompute): a GatedDeltaNet chunk whose next chunk another rank holds
         takes that rank's share of its final recurrent state's gradient inside its rule's backward, after
         back-propagating the gradients at hand, and one whose previous chunk another rank holds sends its starting
-        state's gradient from there as soon as it is summed (`recurrent.LateStateGradient`). So the ranks of a
+        state's gradient from there as soon as it is summed (`ops.gated_delta_rule.LateStateGradient`). So the ranks of a
         step run each GatedDeltaNet layer's backward at once, a chunk waiting for the next chunk's scan backward, not
         for its whole layer. Where the rule cannot take it (Mamba2; a one-token chunk), the gradient is received as
         the backward reaches the layer (`recorded_chunk_state`): a wavefront."""
@@ -328,8 +333,9 @@ class ShardedPromptState(PromptState):
             receive=None if following is None else functools.partial(self._receive_state_gradient, following, tag),
             send=None if previous is None else functools.partial(self._send_state_gradient, previous, tag),
         )
-        if layer.hand_off_state_gradients(hand_off):
-            self._hand_offs[tag] = hand_off
+        passing = StatePassing(hand_off=hand_off)
+        if layer.pass_state(passing):
+            self._hand_offs[tag] = passing
 
     def _receive_state_gradient(self, source: int, tag: int, final: torch.Tensor) -> torch.Tensor:
         return self.cp.receive_tagged(torch.empty_like(final), source, tag)
@@ -338,8 +344,8 @@ class ShardedPromptState(PromptState):
         self._sending += self.cp.send_tagged(grad.sum(0, keepdim=True), target, tag)  # the rows share one state
 
     def _taken_by_rule(self, tag: int) -> bool:
-        hand_off = self._hand_offs.get(tag)
-        return hand_off is not None and hand_off.taken
+        passing = self._hand_offs.get(tag)
+        return passing is not None and passing.taken
 
     def recorded_chunk_state(self, access, layer: LayerState, slot: int) -> None:
         """A capture: each final state of a chunk `layer` records goes to the next chunk's holder, in `chunk_states()`
@@ -352,11 +358,17 @@ class ShardedPromptState(PromptState):
         after = chunk + 1 < len(self.layout.bounds) and self.layout.owner(chunk + 1) != self.cp.rank
         if access.mode == "recompute":
             tag = self._chunk_state_tags[id(layer)] + slot
-            if (hand_off := self._hand_offs.get(tag)) is not None and not hand_off.taken:
-                layer.hand_off_state_gradients(None)  # not taken by this forward's rule: withdrawn
+            if (passing := self._hand_offs.get(tag)) is not None and not passing.taken:
+                layer.withdraw_state_passing()  # not taken by this forward's rule (a one-token chunk's recurrent rule)
             if after:
                 self._receive_gradients(access, layer, self.layout.owner(chunk + 1))
             return
+        deferred = self._deferred.pop(id(layer), None) if slot == layer.chunk_state_slot("recurrent") else None
+        if deferred is not None and not deferred.taken:  # the mixer started from zero and never got its start
+            raise RuntimeError(
+                f"Layer {layer.layer_idx}'s GatedDeltaNet ran no chunked rule in capture chunk {chunk}, so its "
+                "deferred starting state was never added: its outputs would be those from the zero state."
+            )
         key = (id(layer), chunk)
         recorded = self._recorded.setdefault(key, set())
         recorded.add(slot)

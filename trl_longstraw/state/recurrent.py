@@ -14,9 +14,6 @@ recompute of chunk c starts from boundary c - 1 and back-propagates into it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -36,50 +33,6 @@ def chunk_kernel_bytes(heads: int, key_dim: int, value_dim: int, chunk: int) -> 
         per_chunk * chunk + per_dim * (key_dim + value_dim) + -(-per_state * key_dim * value_dim // chunk)
     )
     return elements * FP32_BYTES
-
-
-@dataclass
-class StateGradientHandOff:
-    """An exact-mode recompute chunk's recurrent-state gradients across ranks (state passing backward): `receive(final)`
-    gives the share of the final state's gradient the next chunk's rank computed (None: that chunk is here, or there
-    is none), `send(grad)` takes the starting state's gradient for the previous chunk's rank (None: likewise). `taken`:
-    whether the mixer's rule took it (a one-token chunk's mixer runs its recurrent rule instead)."""
-
-    receive: Callable[[torch.Tensor], torch.Tensor] | None
-    send: Callable[[torch.Tensor], None] | None
-    taken: bool = False
-
-
-class LateStateGradient(torch.autograd.Function):
-    """`rule(*inputs) -> (out, final)`, the last input its starting state (or None), whose backward takes a share of
-    the final state's gradient late (`StateGradientHandOff`): it back-propagates the gradients at hand, then receives
-    the share and back-propagates it through the final state alone (the rule's gradients are linear in its output
-    gradients), and sends the starting state's whole gradient as soon as it is summed, before the backward goes on
-    below the rule. The rule's graph is built in the forward, on detached inputs, and kept to the backward."""
-
-    @staticmethod
-    def forward(ctx, rule: Callable, hand_off: StateGradientHandOff, *inputs):
-        leaves = [None if x is None else x.detach().requires_grad_(x.requires_grad) for x in inputs]
-        with torch.enable_grad():
-            out, final = rule(*leaves)
-        ctx.rule_graph, ctx.hand_off = (leaves, out, final), hand_off
-        return out.detach(), final.detach()
-
-    @staticmethod
-    def backward(ctx, d_out, d_final):
-        (leaves, out, final), hand_off = ctx.rule_graph, ctx.hand_off
-        del ctx.rule_graph
-        wanted = [leaf for leaf in leaves if leaf is not None and leaf.requires_grad]
-        late = hand_off.receive is not None and final.requires_grad
-        grads = torch.autograd.grad((out, final), wanted, (d_out, d_final), retain_graph=late, allow_unused=True)
-        if late:
-            shares = torch.autograd.grad(final, wanted, hand_off.receive(final), allow_unused=True)
-            grads = [a if b is None else b if a is None else a + b for a, b in zip(grads, shares, strict=True)]
-        by_leaf = {id(leaf): grad for leaf, grad in zip(wanted, grads, strict=True)}
-        result = [None if leaf is None else by_leaf.get(id(leaf)) for leaf in leaves]
-        if hand_off.send is not None and result[-1] is not None:
-            hand_off.send(result[-1])
-        return None, None, *result
 
 
 SLOTS = ("conv", "recurrent")

@@ -211,17 +211,15 @@ class LayerState(abc.ABC):
         and records: a kind lists its conv state before its recurrent state."""
         return [name for name in ("conv", "recurrent") if name in self.roles].index(role)
 
-    def defer_start(self, start) -> bool:
-        """Whether this capture forward's mixer can take its recurrent starting state later, from `start()`, instead
-        of reading it as its forward begins (state passing under context parallelism, state/linear_attention.py)."""
+    def pass_state(self, passing) -> bool:
+        """Whether this forward's mixer takes `passing` (an `ops.gated_delta_rule.StatePassing`: its recurrent starting
+        state given later, or its state's gradients handed across ranks inside its own backward; state passing under
+        context parallelism, state/linear_attention.py) in its next rule call. Otherwise the mixer reads its starting
+        state as its forward begins and receives its final state's gradient as the backward reaches the layer."""
         return False
 
-    def hand_off_state_gradients(self, hand_off) -> bool:
-        """Whether this recompute forward's mixer can hand its recurrent state's gradients across ranks inside its own
-        backward (`hand_off`: a `recurrent.StateGradientHandOff`; state passing backward under context
-        parallelism, state/linear_attention.py) instead of receiving the final state's share as the backward reaches
-        the layer."""
-        return False
+    def withdraw_state_passing(self) -> None:
+        """Withdraw a state passing this forward's mixer did not take (`pass_state`)."""
 
     def keep_chunk_state(self, states: list[torch.Tensor], value: torch.Tensor) -> None:
         """Keep `value` as the newest entry of one of `chunk_states()`'s lists: appended in exact mode (the recompute
