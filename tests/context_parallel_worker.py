@@ -140,7 +140,7 @@ def check_family(family, mode, cp, device="cpu"):
         "whole_attention_bytes": attention_bytes(whole),
         "window_bytes": attention_bytes(state, rolling=True),
         "whole_window_bytes": attention_bytes(whole, rolling=True),
-        "held": state.layout.held(cp.rank),
+        "held": state.sharding.layout.held(cp.rank),
         "communication": dict(COMMUNICATION),
         "deferred_starts": sum(rule.deferred_runs for rule in rules),  # GatedDeltaNet rules run by state passing
         "hand_offs": sum(rule.hand_off_runs for rule in rules),  # ... and recomputed so (exact mode)

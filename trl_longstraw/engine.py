@@ -23,7 +23,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 from torch import nn
@@ -37,6 +37,9 @@ from .load_balancing import MoeRouting, RouterLoad, recorded_router_logits
 from .loss import member_backward
 from .state import PromptState, StateAccess, UnpreparedModelError, plan_layers
 from .state.suffix import Suffix
+
+if TYPE_CHECKING:
+    from .context_parallel.sharding import ShardLayout
 
 _optimizer_steps = 0
 
@@ -327,13 +330,13 @@ class LongStrawEngine:
         model: nn.Module,
         num_tokens: int,
         first_position: int,
-        state_class: type[PromptState] = PromptState,
-        **extra,
+        layout: ShardLayout | None = None,
+        rank: int = 0,
     ) -> PromptState:
-        """The state a capture of `num_tokens` tokens from `first_position` fills (`state_class`, built with `extra`):
-        this engine's placement, gradient mode and page dtype, and zero routing sums where the load-balancing loss
-        reads them."""
-        state = state_class(
+        """The state a capture of `num_tokens` tokens from `first_position` fills (with a CP `layout`, this `rank`'s
+        chunks of them): this engine's placement, gradient mode and page dtype, and zero routing sums where the
+        load-balancing loss reads them."""
+        state = PromptState(
             plan_layers(model),
             num_tokens=num_tokens,
             start_position=first_position,
@@ -341,7 +344,8 @@ class LongStrawEngine:
             weights_version=weights_version(model),
             exact=self.prompt_gradient == "exact",
             fp8_pages=self.prompt_state_dtype == "float8_e4m3fn",
-            **extra,
+            layout=layout,
+            rank=rank,
         )
         if self.routing is not None:
             state.router_load = RouterLoad.zeros(self.routing, self.device(model))
@@ -652,7 +656,7 @@ class LongStrawEngine:
             # these entries sit inside the layers: a zero gradient through the outputs reaches each layer first
             # (autograd runs the later-created node first), and keeps every rank's passes alike (fsdp.py)
             pairs.append((outputs.logits, torch.zeros_like(outputs.logits)))
-        elif state.recompute_in_lockstep:
+        elif state.sharding is not None:
             # every rank's backward must reach every layer's attention, whose backward is a collective, whatever
             # gradients its own entries hold: a zero gradient through the outputs (the residual stream) does
             pairs.append((outputs.last_hidden_state, torch.zeros_like(outputs.last_hidden_state)))

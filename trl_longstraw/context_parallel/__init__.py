@@ -12,7 +12,7 @@ concept per module:
 | `step.py` | `StepAttention`: a capture or recompute step's attention, every rank's chunk at once; rows after the prompt |
 | `merge.py` | the log-sum-exp merge of partials (on one rank, across the group), the DSA top-k merge |
 | `protocol.py` | the protocol's version, compared across the group before its first capture |
-| `state.py` | `ShardedPromptState`: a rank's chunks, the step attention and top-k calls, the recurrent hand-offs |
+| `state.py` | `PromptSharding`: a rank's chunks served across the group (the step attention, the top-k calls, the recurrent hand-offs) |
 | `distribution.py` | `ContextParallel`, the engine's distribution: the capture's and recompute's steps, each rank's members, rollout decisions |
 | `data.py` | the trainer's data side: the group's ranks train on the same rows; refusals before any hang |
 
@@ -63,7 +63,7 @@ from .distribution import ContextParallel, distribution_over
 from .merge import merge_across, merge_topk
 from .protocol import check_protocol
 from .sharding import ContextParallelError, ShardLayout, capture_attention_pairs, check_prompt_length
-from .state import ShardedPromptState
+from .state import PromptSharding
 from .step import StepAttention, StepCall
 
 __all__ = [
@@ -71,8 +71,8 @@ __all__ = [
     "ContextParallel",
     "ContextParallelError",
     "ContextParallelGroup",
+    "PromptSharding",
     "ShardLayout",
-    "ShardedPromptState",
     "SharedRowsSampler",
     "StepAttention",
     "StepCall",

@@ -2,7 +2,7 @@
 decisions.
 
 Capture (`ContextParallel.capture`): step by step, every rank capturing its chunk of the step at once
-(`ShardedPromptState`, `step.StepAttention`). The exact-mode recompute runs the steps in reverse, every rank at once.
+(`PromptSharding`, `step.StepAttention`). The exact-mode recompute runs the steps in reverse, every rank at once.
 Scoring and replay: each rank its own members (`members`), a stand-in (`LongStrawEngine.stand_in`) keeping it in step
 with the group where it has none; scores are all-gathered. Rollouts decode every row on every rank in lockstep, with
 rank 0's decisions (`agree`).
@@ -17,7 +17,7 @@ from ..load_balancing import RouterLoad
 from .communication import ContextParallelGroup
 from .protocol import check_protocol
 from .sharding import ShardLayout, check_prompt_length
-from .state import ShardedPromptState
+from .state import PromptSharding
 
 
 def distribution_over(group: ContextParallelGroup | None) -> Distribution:
@@ -99,18 +99,19 @@ class ContextParallel:
         return ShardLayout.of(prompt_tokens - 1, self.group.size, prefill_chunk_size)
 
     def capture(self, engine, model, prompt_ids, first_position):
-        """Step by step, every rank capturing its chunk of the step at once (`ShardedPromptState.step_attention`)."""
+        """Step by step, every rank capturing its chunk of the step at once (`PromptSharding`)."""
         cp = self.group
         layout = self.layout(prompt_ids.numel(), engine.prefill_chunk_size)
         if not self._protocol_checked:  # before the first collective: every rank raises alike on a mismatch
             check_protocol(cp)
             self._protocol_checked = True
-        state = engine.empty_state(model, layout.num_tokens, first_position, ShardedPromptState, cp=cp, layout=layout)
+        state = engine.empty_state(model, layout.num_tokens, first_position, layout, cp.rank)
+        state.sharding = PromptSharding(state, cp, layout)
         for local, chunk in enumerate(layout.chunks(cp.rank)):
             start, end = layout.bounds[chunk]
             _, load, _ = engine.backbone_forward(model, state, "capture", prompt_ids[start:end], start, local)
             state.add_router_load(load)
-        state.finish_capture()
+        state.sharding.hand_offs.finish_capture()
         if engine.routing is not None:  # every rank holds the whole prompt's routing sums
             state.router_load = self._summed_over_group(engine, state.router_load, kind="router")
         state.check_captured()
@@ -123,10 +124,10 @@ class ContextParallel:
         the previous chunk's final ones (GatedDeltaNet's inside its rule's backward: state passing backward). Then the
         parameter gradients this added are summed across the CP group (with `router_weights`, each rank's chunks add
         their tokens' share of the load-balancing loss's gradient)."""
-        layout = state.layout
-        state.sum_final_state_gradients()
+        layout, hand_offs = state.sharding.layout, state.sharding.hand_offs
+        hand_offs.sum_final_state_gradients()
         for step in reversed(range(layout.steps)):
             start, end = layout.bounds[layout.chunk_of(self.group.rank, step)]
-            state.before_recompute(step)
-            engine.recompute_chunk(model, state, prompt_ids, start, end, state.entry_after(step), router_weights)
-            state.after_recompute()
+            hand_offs.before_recompute(step)
+            engine.recompute_chunk(model, state, prompt_ids, start, end, hand_offs.entry_after(step), router_weights)
+            hand_offs.after_recompute()

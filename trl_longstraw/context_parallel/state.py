@@ -1,4 +1,6 @@
-"""One rank's chunks of a prompt state: the steps' attention and top-k across the group, the recurrent hand-offs.
+"""One rank's chunks of a prompt state, and their serving across the CP group (`PromptSharding`, set on the
+`PromptState`): the steps' attention (`ShardedAttention`), the DSA top-k (`ShardedSelection`), the recurrent hand-offs
+(`ChunkStateHandOffs`).
 
 Every rank of a CP group keeps the durable state of its chunks of the captured prompt tokens (`sharding.py`): each
 layer state reads its entries' positions and indices through the geometry (`PromptGeometry.layout`), so a kind's
@@ -13,10 +15,10 @@ another rank's pages is ever copied: a query's attention over them is computed w
   that applies them. Recurrent kinds hand their chunk states (`LayerState.chunk_states`) from the holder of a chunk to
   the holder of the next as each layer records them, in order (the conv state as soon as the mixer has its inputs):
   a GatedDeltaNet chunk runs its rule from the zero state and takes the starting recurrent state when it arrives
-  (`defers_starting_state`, state passing), a Mamba2 chunk waits for its states (a wavefront: the next rank runs that
+  (`ChunkStateHandOffs.defers_starting_state`, state passing), a Mamba2 chunk waits for its states (a wavefront: the next rank runs that
   layer while this one goes on); in the recompute their gradients go back the same way: a GatedDeltaNet rule's
   backward takes the next chunk's share of its final state's gradient late and sends its starting state's at once
-  (`hands_off_state_gradients`, state passing backward), other states' gradients go as soon as they are accumulated
+  (`ChunkStateHandOffs.hands_off_state_gradients`, state passing backward), other states' gradients go as soon as they are accumulated
   and are received as the backward reaches their layer.
 - Scoring and replay: every rank runs its own members, the group's ranks in step (`step.StepAttention` without chunks;
   DSA likewise). Rollouts: every rank decodes the same rows, each over its pages, merged (`merge.merge_across`).
@@ -25,6 +27,7 @@ another rank's pages is ever copied: a query's attention over them is computed w
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import Counter
 
 import torch
@@ -38,89 +41,66 @@ from .sharding import ContextParallelError, ShardLayout
 from .step import StepAttention, StepCall, exchange, gather_step
 
 
-class ShardedPromptState(PromptState):
-    """One rank's share of a prompt state under context parallelism: its chunks of `layout`.
-
-    Its layer states see this rank's entries (`PromptGeometry.layout`, `rank`); the state itself presents the whole
-    prompt (`num_tokens`, `start_position`), which is what a replay continues after.
-
-    Recurrent kinds, exact mode: each of this rank's chunks keeps its starting states (the previous chunk's final
-    ones, received or copied; none for the prompt's first chunk) and its final states, in prompt order
-    (`entry_before`, `entry_after`), then the whole prompt's final states for the replays.
+class PromptSharding:
+    """One rank's share of a prompt state under context parallelism, set on its `PromptState` (`state.sharding`) by
+    the engine's `ContextParallel` distribution: the state's layer states hold this rank's chunks of `layout`
+    (`PromptGeometry.layout`, `rank`), and these three pieces serve the rest across the CP group, each called only
+    under context parallelism: `attention` (a forward's attention over every rank's pages), `selection` (a DSA
+    indexer's top-k over every rank's keys) and `hand_offs` (recurrent chunk states and their gradients handed
+    between the holders of consecutive chunks).
     """
 
-    def __init__(self, plans, num_tokens, start_position, cp: ContextParallelGroup, layout: ShardLayout, **kwargs):
-        self.cp = cp
-        self.layout = layout
-        super().__init__(
-            plans,
-            num_tokens=layout.held_tokens(cp.rank),
-            start_position=start_position + layout.held(cp.rank)[0][0],
-            prompt_start=start_position,
-            layout=layout,
-            rank=cp.rank,
-            **kwargs,
-        )
-        self._whole = (num_tokens, start_position)
-        self.step_selections: list[torch.Tensor] | None = None  # each rank's last DSA top-k of the step
-        self._step_calls: list[dict] | None = None  # each rank's inputs of the indexer call in flight
-        # capture: id(layer state) -> (the chunk whose starting states it holds, how many of them are in place)
-        self._started: dict[int, tuple[int, int]] = {}
-        self._recorded: dict[tuple[int, int], set[int]] = {}  # capture: (id(layer state), chunk) -> slots recorded
-        self._sent: Counter = Counter()  # capture: (id(layer state), chunk) -> slots sent (in order)
-        self._sending: list = []  # the hand-offs in flight (capture: states; recompute: their gradients)
-        self._hooks: list = []  # recompute: the starting states' gradient hand-offs
-        self._wrapped: set[int] = set()  # recompute: the recorded final states already wrapped
-        self._deferred: dict[int, StatePassing] = {}  # capture: id(layer state) -> its rule's deferred start
-        self._hand_offs: dict[int, StatePassing] = {}  # recompute: chunk-state tag -> its rule's hand-off
-        self._unread: list = []  # recompute: (like, source, tag) of the hand-offs no backward will receive
-        self._chunk_state_tags: dict[int, int] = {}  # id(layer state) -> its first chunk state's message tag
-        for layer in self.layers:
-            self._chunk_state_tags[id(layer)] = sum(
-                len(other.chunk_states()) for other in self.layers[: self.layers.index(layer)]
-            )
-        self._refuse_unsharded_layers()
-
-    def _refuse_unsharded_layers(self) -> None:
-        """Kinds and layers context parallelism does not shard (`LayerState.sharded_layer_types`) are refused before
-        any collective (every rank refuses alike), kinds first: they name the mixer (a DSA layer is also an
-        'indexed_attention')."""
-        for layer in self.layers:
-            if not type(layer).sharded_layer_types:
-                raise ContextParallelError(
-                    f"Layer {layer.layer_idx} keeps a {type(layer).name!r} state, which context parallelism does not "
-                    "shard yet: set context_parallel_size=1 for this model."
-                )
-        for layer in self.layers:
-            if layer.layer_type not in type(layer).sharded_layer_types:
-                raise ContextParallelError(
-                    f"Layer {layer.layer_idx} is a {layer.layer_type!r} layer: context parallelism shards full and "
-                    "sliding-window attention, MLA (with DSA) and recurrent layers so far. Set context_parallel_size=1 "
-                    "for this model."
-                )
-
-    @property
-    def num_tokens(self) -> int:
-        return self._whole[0]
-
-    @property
-    def start_position(self) -> int:
-        return self._whole[1]
+    def __init__(self, state: PromptState, cp: ContextParallelGroup, layout: ShardLayout):
+        refuse_unsharded_layers(state.layers)
+        self.state, self.cp, self.layout = state, cp, layout
+        self._rows: tuple[weakref.ref, list[int]] | None = None  # the forward whose rows' lengths were gathered
+        self.attention = ShardedAttention(self)
+        self.selection = ShardedSelection(self)
+        self.hand_offs = ChunkStateHandOffs(self)
 
     def chunk_positions(self, chunk: int) -> torch.Tensor:
         start, end = self.layout.bounds[chunk]
-        return torch.arange(self.start_position + start, self.start_position + end)
+        return torch.arange(self.state.start_position + start, self.state.start_position + end)
 
-    def _step_chunks(self, access) -> list[int]:
+    def step_chunks(self, access) -> list[int]:
         """Every rank's chunk of the capture (or recompute) step this forward runs, by rank."""
         return self.layout.step_chunks(self.layout.chunk_at(access.prefix_length) // self.cp.size)
 
-    def _gather_step(self, tensor: torch.Tensor, chunks: list[int], dim: int, kind: str) -> list[torch.Tensor]:
-        lengths = [end - start for start, end in (self.layout.bounds[chunk] for chunk in chunks)]
-        return gather_step(self.cp, tensor, lengths, dim, kind)
+    def rows_lengths(self, access) -> list[int]:
+        """Every rank's row width in this scoring or replay forward (each rank runs its own members), by rank: read
+        once per forward, at its first collective."""
+        if self._rows is None or self._rows[0]() is not access:
+            mine = torch.tensor([access.query_positions.numel()], dtype=torch.int64)
+            self._rows = (weakref.ref(access), [int(n) for n in self.cp.all_gather(mine, "lengths")])
+        return self._rows[1]
 
-    # -- attention ------------------------------------------------------------------------------------------------------
-    def attention(
+
+def refuse_unsharded_layers(layers: list[LayerState]) -> None:
+    """Kinds and layers context parallelism does not shard (`LayerState.sharded_layer_types`) are refused before
+    any collective (every rank refuses alike), kinds first: they name the mixer (a DSA layer is also an
+    'indexed_attention')."""
+    for layer in layers:
+        if not type(layer).sharded_layer_types:
+            raise ContextParallelError(
+                f"Layer {layer.layer_idx} keeps a {type(layer).name!r} state, which context parallelism does not "
+                "shard yet: set context_parallel_size=1 for this model."
+            )
+    for layer in layers:
+        if layer.layer_type not in type(layer).sharded_layer_types:
+            raise ContextParallelError(
+                f"Layer {layer.layer_idx} is a {layer.layer_type!r} layer: context parallelism shards full and "
+                "sliding-window attention, MLA (with DSA) and recurrent layers so far. Set context_parallel_size=1 "
+                "for this model."
+            )
+
+
+class ShardedAttention:
+    """`PromptState.attention` over every rank's pages, as one softmax across the CP group."""
+
+    def __init__(self, sharding: PromptSharding):
+        self.sharding, self.state, self.cp, self.layout = sharding, sharding.state, sharding.cp, sharding.layout
+
+    def __call__(
         self,
         access,
         layer: LayerState,
@@ -161,14 +141,6 @@ class ShardedPromptState(PromptState):
             out, _ = merge_across(out, lse, self.cp)
         return out.to(query.dtype)
 
-    def rows_lengths(self, access) -> list[int]:
-        """Every rank's row width in this scoring or replay forward (each rank runs its own members), by rank: read
-        once per forward, at its first collective."""
-        if access.rows_lengths is None:
-            mine = torch.tensor([access.query_positions.numel()], dtype=torch.int64)
-            access.rows_lengths = [int(n) for n in self.cp.all_gather(mine, "lengths")]
-        return access.rows_lengths
-
     def _step_attention(self, access, layer, query, own_keys, own_values, scalars, sinks, indices):
         """A capture or recompute step's attention (every rank's chunk of the step), or a scoring or replay forward's
         (every rank's rows after the prompt, no chunks): `step.StepAttention` over this rank's pages before them."""
@@ -178,15 +150,19 @@ class ShardedPromptState(PromptState):
                     "Under context parallelism each rank scores and replays its own members, one at a time: a batch "
                     f"of {query.shape[0]} rows reached the attention."
                 )
-            first = self.start_position + self.num_tokens
-            starts, limit, kind, first_index = None, None, "rows", self.num_tokens
-            positions = tuple(torch.arange(first, first + n) for n in self.rows_lengths(access))
+            first = self.state.start_position + self.state.num_tokens
+            starts, limit, kind, first_index = None, None, "rows", self.state.num_tokens
+            positions = tuple(torch.arange(first, first + n) for n in self.sharding.rows_lengths(access))
         else:
-            chunks = self._step_chunks(access)
+            chunks = self.sharding.step_chunks(access)
             starts = tuple(self.layout.bounds[chunk][0] for chunk in chunks)
-            limit, kind, first_index = self.local_prefix(min(starts)), access.mode, 0  # the pages of earlier steps
-            positions = tuple(self.chunk_positions(chunk) for chunk in chunks)
-        selections = None if indices is None else tuple(self.step_selections)
+            limit, kind, first_index = (
+                self.state.local_prefix(min(starts)),
+                access.mode,
+                0,
+            )  # the pages of earlier steps
+            positions = tuple(self.sharding.chunk_positions(chunk) for chunk in chunks)
+        selections = None if indices is None else tuple(self.sharding.selection.step_selections)
         page_blocks, page_tensors = layer.page_block(query.dtype, limit)
         if selections is None:
             page_blocks = (page_blocks,) * self.cp.size
@@ -204,7 +180,15 @@ class ShardedPromptState(PromptState):
         )
         return StepAttention.apply(query, sinks, own_keys, own_values, call, *page_tensors)
 
-    # -- DSA: the top-k over every rank's indexer keys (state/dsa.py selects within a rank) ------------------------
+
+class ShardedSelection:
+    """A DSA indexer call's top-k over every rank's indexer keys (state/dsa.py selects within a rank)."""
+
+    def __init__(self, sharding: PromptSharding):
+        self.sharding, self.state, self.cp, self.layout = sharding, sharding.state, sharding.cp, sharding.layout
+        self.step_selections: list[torch.Tensor] | None = None  # each rank's last DSA top-k of the step
+        self._step_calls: list[dict] | None = None  # each rank's inputs of the indexer call in flight
+
     def own_keys(self, access, own_index: torch.Tensor) -> torch.Tensor:
         if access.mode == "decode" and self.cp.rank != 0:  # every rank decodes the rows: rank 0 counts them
             return torch.full_like(own_index, -1)
@@ -214,14 +198,17 @@ class ShardedPromptState(PromptState):
         """Each rank's `(tokens, k, keys before them held here)` of the indexer call in flight (a step's chunks, or
         each rank's rows after the prompt)."""
         if access.mode == "read":
-            return [(n, self.num_tokens + n, self.geometry.num_tokens) for n in self.rows_lengths(access)]
+            return [
+                (n, self.state.num_tokens + n, self.state.geometry.num_tokens)
+                for n in self.sharding.rows_lengths(access)
+            ]
         calls = []
-        for chunk in self._step_chunks(access):
+        for chunk in self.sharding.step_chunks(access):
             start, end = self.layout.bounds[chunk]
-            calls.append((end - start, end, self.local_prefix(start)))
+            calls.append((end - start, end, self.state.local_prefix(start)))
         return calls
 
-    def before_selection(self, module, access, call: dict, k: int) -> None:
+    def before_selection(self, access, call: dict) -> None:
         """A step's (or the rows') indexer call: every rank's inputs of it, each rank scoring its keys for all."""
         if access.mode == "decode":
             return
@@ -267,7 +254,35 @@ class ShardedPromptState(PromptState):
         self.step_selections = [selection[..., :top] for selection, top in zip(gathered, tops, strict=True)]
         return values.to(candidates[0].dtype), indices
 
-    # -- recurrent kinds: chunk states handed from the holder of a chunk to the holder of the next -----------------
+
+class ChunkStateHandOffs:
+    """Recurrent kinds' chunk states handed from the holder of a chunk to the holder of the next (capture), and their
+    gradients back (exact-mode recompute).
+
+    Exact mode: each of this rank's chunks keeps its starting states (the previous chunk's final ones, received or
+    copied; none for the prompt's first chunk) and its final states, in prompt order (`entry_before`, `entry_after`),
+    then the whole prompt's final states for the replays.
+    """
+
+    def __init__(self, sharding: PromptSharding):
+        self.sharding, self.state, self.cp, self.layout = sharding, sharding.state, sharding.cp, sharding.layout
+        layers = self.state.layers
+        # capture: id(layer state) -> (the chunk whose starting states it holds, how many of them are in place)
+        self._started: dict[int, tuple[int, int]] = {}
+        self._recorded: dict[tuple[int, int], set[int]] = {}  # capture: (id(layer state), chunk) -> slots recorded
+        self._sent: Counter = Counter()  # capture: (id(layer state), chunk) -> slots sent (in order)
+        self._sending: list = []  # the hand-offs in flight (capture: states; recompute: their gradients)
+        self._hooks: list = []  # recompute: the starting states' gradient hand-offs
+        self._wrapped: set[int] = set()  # recompute: the recorded final states already wrapped
+        self._deferred: dict[int, StatePassing] = {}  # capture: id(layer state) -> its rule's deferred start
+        self._hand_offs: dict[int, StatePassing] = {}  # recompute: chunk-state tag -> its rule's hand-off
+        self._unread: list = []  # recompute: (like, source, tag) of the hand-offs no backward will receive
+        self._chunk_state_tags: dict[int, int] = {}  # id(layer state) -> its first chunk state's message tag
+        for layer in layers:
+            self._chunk_state_tags[id(layer)] = sum(
+                len(other.chunk_states()) for other in layers[: layers.index(layer)]
+            )
+
     def entry_before(self, step: int) -> int:
         """Exact mode: the index in a kind's chunk states of this rank's chunk of `step`'s starting states (-1: the
         prompt's first chunk starts from none)."""
@@ -287,8 +302,10 @@ class ShardedPromptState(PromptState):
         while in_place <= slot:
             states, source = chunk_states[in_place], self.layout.owner(chunk - 1)
             if source != self.cp.rank:  # they arrive where the backend communicates (gloo: the host)
-                layer.keep_chunk_state(states, self.geometry.placement.store(self.cp.receive(source).to(layer.device)))
-            elif self.exact:  # exact mode keeps every chunk's starting states, as its own leaves
+                layer.keep_chunk_state(
+                    states, self.state.geometry.placement.store(self.cp.receive(source).to(layer.device))
+                )
+            elif self.state.exact:  # exact mode keeps every chunk's starting states, as its own leaves
                 states.append(states[-1].clone())
             in_place += 1
         self._started[id(layer)] = (chunk, in_place)
@@ -305,7 +322,7 @@ class ShardedPromptState(PromptState):
 
         def start() -> torch.Tensor:
             self.starting_chunk_states(access, layer, slot)
-            return self.geometry.placement.stage(layer.chunk_states()[slot][-1], layer.device)
+            return self.state.geometry.placement.stage(layer.chunk_states()[slot][-1], layer.device)
 
         passing = StatePassing(start=start)
         if not layer.pass_state(passing):
@@ -409,14 +426,14 @@ class ShardedPromptState(PromptState):
             final = self.cp.broadcast(states[-1].clone(), last, kind="recurrent")
             if self.cp.rank == last:
                 continue
-            if self.exact:
+            if self.state.exact:
                 states.append(final)
             else:
                 states[-1] = final
 
     def chunk_states(self) -> list[list[torch.Tensor]]:
         """Every layer's chunk states (`LayerState.chunk_states`), in layer order."""
-        return [states for layer in self.layers for states in layer.chunk_states()]
+        return [states for layer in self.state.layers for states in layer.chunk_states()]
 
     def sum_final_state_gradients(self) -> None:
         """Exact mode, before the recompute: each rank's replays put their members' gradient on its copy of the whole
@@ -451,8 +468,6 @@ class ShardedPromptState(PromptState):
     def _send_gradient(self, leaf: torch.Tensor, target: int, tag: int) -> None:
         if not self._taken_by_rule(tag):  # else its rule's backward sent it (`hands_off_state_gradients`)
             self._sending += self.cp.send_tagged(leaf.grad.detach().clone(), target, tag)
-
-    recompute_in_lockstep = True
 
     def after_recompute(self) -> None:
         """The chunk's hand-offs completed: the gradients sent to it for states no trained weight reaches (the next

@@ -182,12 +182,14 @@ class IndexerKeys(LayerState):
     def select(self, access, call: dict, own_scores: torch.Tensor, own_index: torch.Tensor, k: int):
         """The top-`k` `(scores, global key indices)` of one indexer call over the prompt's keys before this forward
         (this process's: `PromptState.local_prefix`) and the own keys the model scored (`own_scores`, columns
-        `own_index`; `-1`: not counted here), finished by the state (`PromptState.finish_selection`)."""
+        `own_index`; `-1`: not counted here); under context parallelism, merged across the group
+        (`PromptSharding.selection`)."""
         own_scores = own_scores.masked_fill(own_index < 0, float("-inf"))
         values, picked = own_scores.topk(min(k, own_scores.shape[-1]), dim=-1)
         limit = access.state.local_prefix(access.prefix_length)
         best = self.prompt_candidates(call, (values, own_index[picked]), k, limit, access.attention_chunk_size)
-        return access.state.finish_selection(access, self, best, k)
+        sharding = access.state.sharding
+        return best if sharding is None else sharding.selection.finish_selection(access, self, best, k)
 
     def prompt_candidates(self, call: dict, best, k: int, limit: int, block: int):
         """`best` (or nothing) merged with the top-`k` candidates (as global key indices) of the first `limit` pages
@@ -274,8 +276,12 @@ def _indexer_called(module, args, kwargs) -> None:
     own = hidden.shape[1] + (access.suffix.length if access.suffix is not None else 0)
     k = min(module.index_topk, access.prefix_length + own)  # as the indexer would over the prompt's and own keys
     own_index = torch.arange(access.prefix_length, access.prefix_length + own, device=hidden.device)
-    selection = IndexerSelection(state.for_mixer(module), access, call, state.own_keys(access, own_index), k)
-    state.before_selection(module, access, call, k)
+    sharding = state.sharding
+    if sharding is not None:
+        own_index = sharding.selection.own_keys(access, own_index)
+    selection = IndexerSelection(state.for_mixer(module), access, call, own_index, k)
+    if sharding is not None:  # every rank's inputs of this call, each rank scoring its keys for all
+        sharding.selection.before_selection(access, call)
     module._longstraw_selection = selection  # the call in flight (indexer calls do not nest)
     selection.__enter__()
 

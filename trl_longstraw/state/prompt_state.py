@@ -20,6 +20,7 @@ from .suffix import Suffix
 
 if TYPE_CHECKING:
     from ..context_parallel.sharding import ShardLayout
+    from ..context_parallel.state import PromptSharding
     from ..load_balancing import RouterLoad
 
 
@@ -40,8 +41,10 @@ class PromptState:
     """The durable state of one group's prompt, captured once and read by every member's replay.
 
     `num_tokens` prompt tokens were captured (all but the last prompt token, which starts every replay), at absolute
-    positions `start_position ... start_position + num_tokens - 1`. `prompt_start`: the whole prompt's first position
-    when this state holds a shard of it (context parallelism).
+    positions `start_position ... start_position + num_tokens - 1`. Under context parallelism this process holds its
+    chunks of them (`layout`, `rank`: the layer states see those, through `geometry`) and `sharding` serves the rest
+    across the group (`context_parallel.PromptSharding`: the attention, the DSA top-k and the recurrent hand-offs);
+    None outside it.
     """
 
     def __init__(
@@ -53,7 +56,6 @@ class PromptState:
         weights_version: tuple[int, int],
         exact: bool,
         fp8_pages: bool = False,
-        prompt_start: int | None = None,
         layout: ShardLayout | None = None,
         rank: int = 0,
     ):
@@ -62,8 +64,14 @@ class PromptState:
                 "fp8 prompt-state pages with the exact prompt gradient: the state's gradient is accumulated on its "
                 "tensors, which fp8 cannot hold. Use prompt_state_dtype='auto' with prompt_gradient='exact'."
             )
+        self.num_tokens = num_tokens
+        self.start_position = start_position
+        held, first_held, prompt_start = num_tokens, start_position, None
+        if layout is not None:
+            held, first_held = layout.held_tokens(rank), start_position + layout.held(rank)[0][0]
+            prompt_start = start_position
         self.geometry = PromptGeometry(
-            num_tokens, start_position, Placement(device), exact, fp8_pages, prompt_start, layout, rank
+            held, first_held, Placement(device), exact, fp8_pages, prompt_start, layout, rank
         )
         self.weights_version = weights_version
         self.layers: list[LayerState] = [
@@ -79,18 +87,11 @@ class PromptState:
         # A MoE policy trained with the load-balancing loss: the captured tokens' routing sums (load_balancing.py), set
         # to zero sums by a capture that records them.
         self.router_load: RouterLoad | None = None
+        self.sharding: PromptSharding | None = None  # context parallelism's serving, set by its distribution
 
     def add_router_load(self, load: RouterLoad | None) -> None:
         if load is not None:
             self.router_load = self.router_load + load
-
-    @property
-    def num_tokens(self) -> int:
-        return self.geometry.num_tokens
-
-    @property
-    def start_position(self) -> int:
-        return self.geometry.start_position
 
     @property
     def exact(self) -> bool:
@@ -100,43 +101,6 @@ class PromptState:
         """How many of the first `prefix_length` captured tokens this process holds (all of them; a rank under
         context parallelism holds its chunks)."""
         return self.geometry.held_before(prefix_length)
-
-    # -- recurrent kinds: the states a capture chunk starts from and ends with -------------------------------------
-    def starting_chunk_states(self, access: StateAccess, layer: LayerState, slot: int) -> None:
-        """Called as `layer` reads its chunk state `slot` (an index of `chunk_states()`) in a capture chunk: that
-        state and those before it are the chunk's starting states from then on (context parallelism brings the
-        previous chunk's final ones from the rank that captured it; here they are already the last entries)."""
-
-    def defers_starting_state(self, access: StateAccess, layer: LayerState) -> bool:
-        """Whether `layer`'s recurrent starting state in this capture chunk reaches its mixer later, during its rule
-        (context parallelism's state passing, state/linear_attention.py): the mixer then starts without it."""
-        return False
-
-    def hands_off_state_gradients(self, access: StateAccess, layer: LayerState) -> None:
-        """Called as `layer` reads its recurrent starting state in an exact-mode recompute chunk: context parallelism
-        has the mixer's rule hand the state's gradients across ranks in its backward (state passing backward)."""
-
-    def recorded_chunk_state(self, access: StateAccess, layer: LayerState, slot: int) -> None:
-        """Called as `layer` records its chunk state `slot` in a capture or recompute forward (context parallelism
-        hands a capture's to the next chunk's rank, and routes that rank's gradient into a recompute's)."""
-
-    # Whether the processes sharing this state run each recompute's backward together (its collectives in step).
-    recompute_in_lockstep = False
-
-    # -- DSA: the indexer's top-k over the prompt's keys (state/dsa.py) ---------------------------------------------
-    def own_keys(self, access: StateAccess, own_index: torch.Tensor) -> torch.Tensor:
-        """The global key indices of the own keys this process counts in a selection (all of them here)."""
-        return own_index
-
-    def before_selection(self, module, access: StateAccess, call: dict, k: int) -> None:
-        """Called as an indexer call starts, before the model scores anything (context parallelism announces it)."""
-
-    def finish_selection(
-        self, access: StateAccess, layer: LayerState, candidates: tuple[torch.Tensor, torch.Tensor], k: int
-    ):
-        """This process's top-k candidates `(scores, global key indices)` for `layer`'s indexer call become the
-        selection (here: as they are)."""
-        return candidates
 
     def for_mixer(self, module: torch.nn.Module) -> LayerState:
         layer = self._by_mixer.get(id(module))
@@ -172,7 +136,10 @@ class PromptState:
         """`query [batch, heads, tokens, d]` over `layer`'s pages (`LayerState.page_block`) and this forward's own
         entries `own_keys/own_values [batch * key groups, entries, d]` (the last ones at the forward's positions), as
         one softmax; DSA `indices` (global key indices: the prompt's tokens, then the own entries) restrict both.
-        Every captured page is read, except while the exact recompute of a chunk reads only the pages before it."""
+        Every captured page is read, except while the exact recompute of a chunk reads only the pages before it. Under
+        context parallelism, over every rank's pages as one softmax (`PromptSharding.attention`)."""
+        if self.sharding is not None:
+            return self.sharding.attention(access, layer, query, own_keys, own_values, scalars, sinks, indices)
         limit = self.local_prefix(access.prefix_length) if access.mode == "recompute" else None
         page_blocks, page_tensors = layer.page_block(query.dtype, limit, indices)
         blocks = [(*page_tensors[2 * i : 2 * i + 2], block) for i, block in enumerate(page_blocks)]
@@ -274,7 +241,6 @@ class StateAccess(Cache):
         self.recorded: dict[LayerState, object] = {}
         self.cache_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.visited: set[int] = set()  # capture: the mixers this forward has run
-        self.rows_lengths: list[int] | None = None  # context parallelism: every rank's row width in this forward
 
     def own_entries(
         self, owner: LayerState, name: str, values: torch.Tensor, dim: int, window: int | None = None
@@ -369,10 +335,11 @@ class StateAccess(Cache):
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
         layer = self.state.of_layer(layer_idx, "recurrent")
-        if self.mode == "capture" and self.state.defers_starting_state(self, layer):
+        sharding = self.state.sharding
+        if sharding is not None and self.mode == "capture" and sharding.hand_offs.defers_starting_state(self, layer):
             return None  # the mixer's rule takes it when it arrives
-        if self.mode == "recompute":
-            self.state.hands_off_state_gradients(self, layer)
+        if sharding is not None and self.mode == "recompute":
+            sharding.hand_offs.hands_off_state_gradients(self, layer)
         return self._chunk_states_of(layer_idx, "recurrent").recurrent_state(self, self.forward_batch_size)
 
     def update_recurrent_state(self, recurrent_states, layer_idx: int, state_idx: int = 0, **kwargs):
@@ -383,13 +350,13 @@ class StateAccess(Cache):
         return recurrent_states
 
     def _chunk_states_of(self, layer_idx: int, role: str) -> LayerState:
-        """The layer's state for a conv or recurrent call; in a capture, its chunk's starting `role` state (and those
-        before it) in place first (`PromptState.starting_chunk_states`)."""
+        """The layer's state for a conv or recurrent call; under context parallelism, in a capture, its chunk's
+        starting `role` state (and those before it) in place first (`ChunkStateHandOffs.starting_chunk_states`)."""
         layer = self.state.of_layer(layer_idx, role)
-        if self.mode == "capture":
-            self.state.starting_chunk_states(self, layer, layer.chunk_state_slot(role))
+        if self.state.sharding is not None and self.mode == "capture":
+            self.state.sharding.hand_offs.starting_chunk_states(self, layer, layer.chunk_state_slot(role))
         return layer
 
     def _recorded_chunk_state(self, layer: LayerState, role: str) -> None:
-        if self.mode in ("capture", "recompute"):
-            self.state.recorded_chunk_state(self, layer, layer.chunk_state_slot(role))
+        if self.state.sharding is not None and self.mode in ("capture", "recompute"):
+            self.state.sharding.hand_offs.recorded_chunk_state(self, layer, layer.chunk_state_slot(role))
