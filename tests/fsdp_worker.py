@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 from peft import LoraConfig
+from safetensors.torch import load_file, save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
@@ -173,13 +174,18 @@ def quantized_model(family: str, out: str):
     return AutoModelForCausalLM.from_pretrained(saved_model(family, out), quantization_config=nf4, dtype=torch.float32)
 
 
-def saved_model(family: str, out: str) -> str:
+def saved_model(family: str, out: str, without: str | None = None) -> str:
     """The directory of the family's model, which the first rank saves (`save_pretrained` writes on the main process
-    only)."""
+    only), optionally `without` one weight in its checkpoint."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    directory = os.path.join(out, f"{family}-base-world{world}")
+    directory = os.path.join(out, f"{family}-base-world{world}" + (f"-without-{without}" if without else ""))
     if not dist.is_initialized() or dist.get_rank() == 0:
         family_model(family).save_pretrained(directory)
+        if without is not None:
+            checkpoint = os.path.join(directory, "model.safetensors")
+            weights = load_file(checkpoint)
+            del weights[without]
+            save_file(weights, checkpoint, metadata={"format": "pt"})
     if dist.is_initialized():
         dist.barrier()
     return directory
@@ -191,6 +197,8 @@ def train(out: str, family: str, route: str, prompt_gradient: str, rollout: bool
         model = quantized_model(family, out)
     elif route.startswith("loaded"):  # by its directory: the trainer loads it, on several ranks its shards only
         model = saved_model(family, out)
+    elif route == "lora":  # loaded by the user after the config (below)
+        model = None
     else:
         model = family_model(family)
     if world > 1 and route in ("fully_shard", "hybrid_shard"):
@@ -231,6 +239,13 @@ def train(out: str, family: str, route: str, prompt_gradient: str, rollout: bool
         # stamp, engine.weights_version); otherwise TRL's default, fused AdamW.
         optim={"qlora": "sgd", "lora": "adamw_torch"}.get(route, "adamw_torch_fused"),
     )
+    loaded_on_meta = None
+    if model is None:
+        # as a user loads it once the config exists, from a checkpoint without the final norm's weight: under an FSDP
+        # launch's fsdp_cpu_ram_efficient_loading (TRL's fsdp2.yaml), transformers initialises a missing weight on
+        # the first rank only and leaves the other ranks' on the meta device, for Accelerate to broadcast
+        model = AutoModelForCausalLM.from_pretrained(saved_model(family, out, without="model.norm.weight"))
+        loaded_on_meta = any(param.is_meta for param in model.parameters())
     lora = None
     if route in ("lora", "qlora"):
         lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
@@ -274,6 +289,8 @@ def train(out: str, family: str, route: str, prompt_gradient: str, rollout: bool
         },
         # transformers' load-time FSDP2 records its configuration on the model it loaded sharded
         "loaded_sharded": getattr(trainer.model.config, "distributed_config", None) is not None,
+        "loaded_on_meta": loaded_on_meta,
+        "accelerate_use_fsdp": os.environ.get("ACCELERATE_USE_FSDP"),  # as the trainer left it for Accelerate
         "synced_passes": trainer._sharded.synced_passes if trainer._sharded is not None else None,
         "stand_ins": trainer._sharded.stand_ins if trainer._sharded is not None else None,
         "rounds": trainer._sharded.rounds if trainer._sharded is not None else None,

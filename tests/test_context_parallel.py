@@ -203,7 +203,7 @@ def test_context_parallel_size_is_taken_from_an_accelerate_config_file(tmp_path,
     monkeypatch.setenv("PARALLELISM_CONFIG_CP_SIZE", "2")
     config = LongStrawGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
     assert config.context_parallel_size == 2
-    assert os.environ["PARALLELISM_CONFIG_CP_SIZE"] == "1"
+    assert config.launch_environment() == {"PARALLELISM_CONFIG_CP_SIZE": "1"}  # which the trainer sets
 
 
 def test_groups_need_a_distributed_launch_and_a_world_the_size_divides(tmp_path):

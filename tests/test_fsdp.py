@@ -112,13 +112,18 @@ def test_two_fsdp2_ranks_take_the_single_process_steps(torchrun_cases, family, r
         ("qwen3", "shard_weights", "accelerate"),  # dense; the trainer shards it (`shard_weights=True`)
         # LoRA from a peft_config, beta > 0 (the reference adapter), sharded by the FSDP2 accelerate config's launch
         # (TRL's fsdp2.yaml; on CPU, Accelerate leaves an FSDP launch's processes alone: its variables on a
-        # multi-process launch)
+        # multi-process launch), the model loaded by the user after the config: its cpu_ram_efficient_loading leaves
+        # the second rank without weights, which the trainer sends it from the first
         ("qwen3", "lora", "fsdp2.yaml"),
     ],
 )
 def test_two_fsdp2_ranks_launched_by_accelerate_take_the_single_process_steps(tmp_path, family, route, launcher):
     launch(tmp_path, [f"{family}/{route}"], launcher)
     assert_two_ranks_take_the_single_process_steps(tmp_path, family, route)
+    if launcher == "fsdp2.yaml":
+        ranks = [torch.load(tmp_path / f"{family}-{route}-world2-rank{rank}.pt")["detach"] for rank in range(2)]
+        assert [report["loaded_on_meta"] for report in ranks] == [False, True]
+        assert all(report["accelerate_use_fsdp"] == "false" for report in ranks)  # Accelerate's FSDP left off
 
 
 def assert_two_ranks_take_the_single_process_steps(tmp_path, family: str, route: str) -> None:
@@ -403,8 +408,9 @@ def test_layer_classes_the_model_does_not_have_are_refused(one_rank_group, tmp_p
         )
 
 
-def test_a_model_loaded_without_its_weights_on_this_rank_is_refused(one_rank_group, tmp_path):
-    """What transformers loads on every rank but the first while an FSDP launch's cpu_ram_efficient_loading is on."""
+def test_a_model_without_its_weights_where_no_rank_can_send_them_is_refused(one_rank_group, tmp_path):
+    """What transformers loads on every rank but the first while an FSDP launch's cpu_ram_efficient_loading is on, in
+    a world of one (the first rank lacks them too)."""
     model = build_model("qwen3", seed=0)
     model.model.layers[1].mlp.up_proj.weight = torch.nn.Parameter(torch.empty(8, 8, device="meta"))
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight \(and 0 more\) hold no weights"):

@@ -237,12 +237,15 @@ def fsdp2_launch(monkeypatch):
 
 
 def test_an_fsdp2_accelerate_config_shards_the_weights_under_the_trainer(tmp_path, fsdp2_launch):
-    """The launch's variables become shard_weights, and Accelerate is left without its FSDP plugin (nor transformers'
-    first-rank-only loading)."""
-    for _ in range(2):  # and the process's next config (a second run, an evaluation's)
-        args = trainer_args(LongStrawGRPOConfig, tmp_path)
-        assert args.shard_weights and args.shard_layer_classes is None
-        assert args.fsdp_plugin_args is None and os.environ["ACCELERATE_USE_FSDP"] == "false"
+    """The launch's variables become shard_weights, and Accelerate is to be left without its FSDP plugin (nor
+    transformers' first-rank-only loading): the config says so (`launch_environment`), the trainer sets it."""
+    args = trainer_args(LongStrawGRPOConfig, tmp_path)
+    assert args.shard_weights and args.shard_layer_classes is None and args.fsdp_plugin_args is None
+    assert os.environ["ACCELERATE_USE_FSDP"] == "true"  # creating a config changes no environment
+    assert args.launch_environment() == {"ACCELERATE_USE_FSDP": "false", "LONGSTRAW_FSDP_FROM_ACCELERATE": "true"}
+    os.environ.update(args.launch_environment())  # as the trainer's construction does
+    args = trainer_args(LongStrawGRPOConfig, tmp_path)  # the process's next config (a second run, an evaluation's)
+    assert args.shard_weights and args.fsdp_plugin_args is None
 
 
 def test_fsdp2_training_arguments_shard_the_weights_with_their_layer_classes_and_checkpointing(tmp_path):

@@ -301,6 +301,7 @@ class LongStrawGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._launch_environment: dict[str, str] = {}  # what adopting the launcher's settings implies (below)
         self._validate_types()
         if self.fp16:
             raise ValueError(FP16_REFUSED)
@@ -317,6 +318,14 @@ class LongStrawGRPOConfig(GRPOConfig):
         self._adopt_accelerate_fsdp2()
         self._validate_context_parallel_batches()
         self._validate_context_parallel_statistics()
+
+    def launch_environment(self) -> dict[str, str]:
+        """The environment variables that carry out what this config adopted from the launcher, which the trainer sets
+        at its construction, before it loads a model or builds its Accelerator: Accelerate's own context parallelism
+        off where its size was taken (`PARALLELISM_CONFIG_CP_SIZE=1`), and Accelerate's FSDP off where FSDP2 was taken
+        (`ACCELERATE_USE_FSDP=false`, read by the Accelerator and by transformers' loading, and a marker from which
+        the process's later configs know it was taken). Creating a config changes no environment."""
+        return dict(self._launch_environment)
 
     def _validate_types(self) -> None:
         """Each LongStraw field's type, before anything is derived from it (a YAML `yes` or a string `"true"` given
@@ -405,7 +414,7 @@ class LongStrawGRPOConfig(GRPOConfig):
             if self.parallelism_config.total_size == 1:  # nothing else configured (and Accelerate refuses it on CPU)
                 self.parallelism_config = None
         else:  # an accelerate config file's parallelism_config section: the Accelerator would build its CP from these
-            os.environ["PARALLELISM_CONFIG_CP_SIZE"] = "1"
+            self._launch_environment["PARALLELISM_CONFIG_CP_SIZE"] = "1"
 
     def _adopt_accelerate_fsdp2(self) -> None:
         """Take FSDP2 from Accelerate's FSDP plugin where the user configured it (an accelerate config with
@@ -485,8 +494,8 @@ class LongStrawGRPOConfig(GRPOConfig):
             self.activation_checkpointing = self.gradient_checkpointing = True
         self.fsdp, self.fsdp_plugin_args = False, None
         if from_launcher:  # read by Accelerate (its Accelerator, its gradient clipping) and by transformers' loading
-            os.environ["ACCELERATE_USE_FSDP"] = "false"
-            os.environ[FSDP_TAKEN_FROM_ACCELERATE] = "true"  # for the process's later configs
+            self._launch_environment["ACCELERATE_USE_FSDP"] = "false"
+            self._launch_environment[FSDP_TAKEN_FROM_ACCELERATE] = "true"  # for the process's later configs
 
     def _validate_longstraw_fields(self) -> None:
         if self.context_parallel_size is None:

@@ -97,15 +97,51 @@ def shard_added_parameters(causal_lm: nn.Module) -> list[nn.Module]:
     return added
 
 
+def receive_first_rank_weights(model: nn.Module) -> bool:
+    """Give every rank the first rank's weights where transformers loaded them there only: with an FSDP launch's
+    `fsdp_cpu_ram_efficient_loading`, the other ranks hold meta tensors, for Accelerate to broadcast the weights when
+    its FSDP wraps the model, which the trainer does not let it do (it shards with FSDP2 itself). Called at the
+    trainer's construction, before it wraps, moves or shards the model; one collective to learn whether any rank
+    lacks them, then a broadcast of every state-dict tensor from the first rank (each rank then holds the whole
+    model until the trainer shards it, as with that loading off). False where nothing was received: every rank holds
+    its weights, one process, or the first rank lacks them too (`check_weights_loaded` refuses that)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return False
+    tensors = [*model.parameters(), *model.buffers()]
+    missing = any(tensor.is_meta for tensor in tensors)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flags = torch.tensor([int(missing), int(missing and dist.get_rank() == 0)], device=device)
+    with collective("agreement on which ranks hold the loaded weights"):
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    if not flags[0] or flags[1]:
+        return False
+    if missing:
+        home = next((tensor.device for tensor in tensors if not tensor.is_meta), torch.device("cpu"))
+        # transformers gave the non-persistent buffers (rotary frequencies) their values on every rank: kept
+        kept = {name: buffer.clone() for name, buffer in model.named_buffers() if not buffer.is_meta}
+        model.to_empty(device=home)
+        with torch.no_grad():
+            for name, value in kept.items():
+                model.get_buffer(name).copy_(value)
+        if hasattr(model, "tie_weights"):
+            model.tie_weights()
+    with collective("the first rank's weights"), torch.no_grad():
+        for tensor in model.state_dict().values():
+            sent = tensor.to(device)
+            dist.broadcast(sent, src=0)
+            if sent is not tensor:
+                tensor.copy_(sent)
+    return True
+
+
 def check_weights_loaded(model: nn.Module) -> None:
     """Before the trainer shards (or moves) a model: every parameter holds its weights on this rank."""
     on_meta = [name for name, param in model.named_parameters() if param.is_meta]
     if on_meta:
         raise ValueError(
             f"shard_weights=True: {on_meta[0]} (and {len(on_meta) - 1} more) hold no weights on this rank (the meta "
-            "device): the model was loaded while an FSDP accelerate config's cpu_ram_efficient_loading was in effect, "
-            "which loads the weights on the first rank only. Create the LongStrawGRPOConfig before loading the model "
-            "(it turns that loading off), or pass the model id to the trainer."
+            "device), and no other rank can send them (the first rank lacks them too, or this is the only process). "
+            "Load the model with its weights, or pass the model id to the trainer."
         )
 
 

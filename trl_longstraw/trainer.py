@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 from datetime import timedelta
 from typing import Any, ClassVar
 
@@ -41,7 +42,7 @@ from .context_parallel import (
 from .distributed import average_gradients
 from .engine import LongStrawEngine, prepare_model, stock_attention, weights_version
 from .faults import OutputFiniteness, collective, first_non_finite_gradient, in_phase, warn_non_finite
-from .fsdp import ShardedPasses, parallelize, sharded_loading_kwargs
+from .fsdp import ShardedPasses, parallelize, receive_first_rank_weights, sharded_loading_kwargs
 from .groups import KeptPromptState, PromptGroup, group_rows_by_prompt
 from .load_balancing import moe_routing
 from .loss import member_backward, replayed_scores
@@ -103,6 +104,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             name = model if isinstance(model, str) else model.config._name_or_path
             args = LongStrawGRPOConfig(f"{name.split('/')[-1]}-LongStraw-GRPO")
         check_trainer_args(args)
+        # What the config adopted from the launcher (config.py), before a model loads and the Accelerator is built
+        os.environ.update(args.launch_environment())
+        if not isinstance(model, str):  # an FSDP launch's first-rank-only loading (fsdp.py)
+            receive_first_rank_weights(model)
         config = check_model(model, args, kwargs.get("peft_config"))  # before any weights load
         if isinstance(model, str) and args.shard_weights:  # each rank loads only its shards, where it can
             args.model_init_kwargs = sharded_loading_kwargs(
