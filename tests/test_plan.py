@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,7 +171,8 @@ def test_fsdp2s_gathered_weights_are_the_root_module_and_one_decoder_layer():
 
 
 def test_shard_weights_is_suggested_for_a_full_fine_tune_that_does_not_fit_one_device(capsys):
-    args = ["plan", "qwen3_8b", "--prompt-length", "131072", "--lora-r", "0", "--gpu-memory", "80", "--gpus", "8"]
+    args = ["plan", "qwen3_8b", "--prompt-length", "131072", "--rope-scaling", "yarn:4", "--lora-r", "0"]
+    args += ["--gpu-memory", "80", "--gpus", "8"]
     assert cli.main(args) == 1
     out = capsys.readouterr().out
     assert "--weight-shards 8:" in out and "(recipe: shard_weights: true)" in out
@@ -184,6 +186,52 @@ def test_a_recipe_that_shards_its_weights_is_planned_over_its_ranks(capsys):
     assert "shard_weights: true" in capsys.readouterr().err
     assert cli.main([*args, "--gpus", "8"]) == 0
     assert "weights sharded over 8 ranks (FSDP2)" in capsys.readouterr().out
+
+
+def test_a_prompt_past_the_models_positions_is_refused_naming_yarn_and_planned_with_it(capsys):
+    """The trainer's context check (`validation.check_context`): Qwen3-8B holds 40,960 positions."""
+    args = ["plan", "qwen3_8b", "--prompt-length", "131072", "--gpu-memory", "80"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "max_position_embeddings=40960" in err and "--rope-scaling yarn:4" in err
+    assert "rope_parameters={'rope_type': 'yarn'," in err and "'factor': 4.0" in err
+    assert "'original_max_position_embeddings': 40960} and max_position_embeddings=163840" in err
+    assert cli.main([*args, "--rope-scaling", "yarn:4"]) == 0
+    capsys.readouterr()
+    for bad in ("yarn", "yarn:1", "linear:4"):
+        with pytest.raises(SystemExit) as exited:
+            cli.main([*args, "--rope-scaling", bad])
+        assert exited.value.code == 2 and "give yarn:FACTOR" in capsys.readouterr().err
+
+
+# The prompt length each recipe of a Hub model is written for (its comments, docs/planning.md, the simulation's
+# scenarios); demo_embedded.yaml's model is built by the recipe, its prompts counted in characters
+RECIPE_PROMPT_LENGTHS = {
+    "glm5_lora.yaml": 2_097_152,
+    "glm5_lora_fsdp2_cp8.yaml": 2_097_152,
+    "qwen3_30b_a3b_lora.yaml": 131_072,
+    "qwen3_6_27b_qlora.yaml": 2_097_152,
+    "qwen3_6_27b_qlora_cp8.yaml": 2_097_152,
+    "qwen3_8b_full_fsdp2.yaml": 131_072,
+    "qwen3_8b_lora.yaml": 32_768,
+    "qwen3_8b_lora_cp2.yaml": 32_768,
+}
+
+
+def test_every_recipe_has_its_prompt_length_listed():
+    listed = sorted([*RECIPE_PROMPT_LENGTHS, "demo_embedded.yaml"])
+    assert listed == sorted(path.name for path in Path("configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPE_PROMPT_LENGTHS))
+def test_every_recipe_fits_its_models_context_at_the_length_it_is_written_for(recipe):
+    """Prompt plus completion within the model's positions as the recipe loads it (`model_init_kwargs`): the trainer
+    would refuse the run otherwise."""
+    from trl_longstraw.plan import recipe_plan_inputs
+    from trl_longstraw.validation import check_context
+
+    config, _, setup, _, _ = recipe_plan_inputs(Path("configs") / recipe, RECIPE_PROMPT_LENGTHS[recipe])
+    check_context(config, setup.prompt_tokens, setup.completion_tokens)
 
 
 def test_a_config_is_read_from_a_folder_a_json_file_or_an_architecture_name(tmp_path):

@@ -458,6 +458,35 @@ def test_longrope_within_its_original_length_scores_as_stock(tokenizer, prompt_d
     assert ((got - want) * inputs["completion_mask"]).abs().max() <= 1e-5
 
 
+def test_a_prompt_past_the_positions_is_refused_naming_the_yarn_extension_which_then_scores_as_stock(
+    tokenizer, prompt_dataset, tmp_path
+):
+    """The refusal names the YaRN scaling that covers the run (`architectures.yarn_extension`); a model loaded with
+    it is accepted, and LongStraw's chunked capture rotates the prompt as stock's one forward does."""
+    import re
+
+    from trl import GRPOTrainer
+
+    short = build_model("qwen3", max_position_embeddings=12)  # the synthetic rows run to position 16
+    with pytest.raises(ValueError, match="max_position_embeddings=12. .*YaRN") as refused:
+        make_trainer(LongStrawGRPOTrainer, short, tokenizer, prompt_dataset, tmp_path, max_completion_length=16)
+    rope = re.search(r"rope_parameters=(\{.*?\}) and max_position_embeddings=(\d+)", str(refused.value))
+    extended = {"rope_parameters": eval(rope.group(1)), "max_position_embeddings": int(rope.group(2))}
+    assert extended["rope_parameters"]["rope_type"] == "yarn" and extended["rope_parameters"]["factor"] > 1
+    stock = make_trainer(GRPOTrainer, build_model("qwen3", **extended), tokenizer, prompt_dataset, tmp_path / "stock")
+    ours = make_trainer(
+        LongStrawGRPOTrainer, build_model("qwen3", **extended), tokenizer, prompt_dataset, tmp_path / "ours"
+    )
+    inputs = synthetic_inputs(len(tokenizer))
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    width = inputs["completion_ids"].shape[1]
+    with torch.no_grad():
+        want = stock._get_per_token_logps_and_entropies(stock.model, ids, mask, width)[0]
+        got = ours._get_per_token_logps_and_entropies(ours.model, ids, mask, width)[0]
+    assert ((got - want) * inputs["completion_mask"]).abs().max() <= 1e-5
+
+
 def test_load_balancing_loss_without_an_expert_count_is_refused_at_construction(
     fresh_model, tokenizer, prompt_dataset, tmp_path
 ):

@@ -62,6 +62,12 @@ def plan_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-completion-length", type=int, default=TRAINER_DEFAULTS["max_completion_length"], help="tokens"
     )
+    parser.add_argument(
+        "--rope-scaling",
+        metavar="yarn:FACTOR",
+        help="extend the model's context with YaRN by FACTOR over its max_position_embeddings (what model_init_kwargs "
+        "rope_parameters and max_position_embeddings load)",
+    )
     parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank; 0: full fine-tuning")
     parser.add_argument("--lora-target-modules", nargs="+", default=["all-linear"], help="PEFT's target_modules")
     parser.add_argument("--load-in-4bit", action="store_true", help="NF4 base weights (QLoRA)")
@@ -164,6 +170,14 @@ def check_plan_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error(f"--gpu-memory must be positive (GiB), got {args.gpu_memory}")
     if args.num_iterations < 1:
         parser.error(f"--num-iterations must be at least 1, got {args.num_iterations}")
+    if args.rope_scaling is not None:
+        method, _, factor = args.rope_scaling.partition(":")
+        try:
+            valid = method == "yarn" and float(factor) > 1
+        except ValueError:
+            valid = False
+        if not valid:
+            parser.error(f"--rope-scaling {args.rope_scaling!r}: give yarn:FACTOR with a factor above 1, e.g. yarn:4")
     if args.decode_steps < 0:
         parser.error(f"--decode-steps must be 0 or more, got {args.decode_steps}")
     from .simulation.devices import DEVICE_SPECS, device_spec
@@ -180,8 +194,10 @@ def run_plan(args: argparse.Namespace) -> int:
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     import yaml
 
+    from .architectures import with_yarn
     from .plan import ModelSourceError, format_plan, load_model_config, plan_run, recipe_plan_inputs
     from .state import UnsupportedModelError
+    from .validation import check_context
 
     weight_shards = args.weight_shards
     try:
@@ -204,6 +220,9 @@ def run_plan(args: argparse.Namespace) -> int:
         else:
             config, name = load_model_config(args.model, args.trust_remote_code), args.model
             setup, context_parallel = setup_from_flags(args), args.context_parallel_size
+        if args.rope_scaling is not None:
+            with_yarn(config, float(args.rope_scaling.partition(":")[2]))
+        check_context(config, setup.prompt_tokens, setup.completion_tokens)  # the trainer's check (validation.py)
     except (ModelSourceError, ValueError) as error:  # ValueError: a recipe setting LongStrawGRPOConfig refuses
         print(f"trl-longstraw plan: {error}", file=sys.stderr)
         return 2

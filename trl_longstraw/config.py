@@ -35,6 +35,16 @@ def model_init_kwargs(args) -> dict:
     return args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
 
 
+# `model_init_kwargs` that change the model's context (transformers applies a loading kwarg that names a config
+# attribute to the config): what the trainer's and the planner's context checks read
+CONTEXT_KWARGS = ("rope_parameters", "rope_scaling", "max_position_embeddings")
+
+
+def context_overrides(args) -> dict:
+    """The entries of `args.model_init_kwargs` that change the model's context (`CONTEXT_KWARGS`)."""
+    return {key: value for key, value in (args.model_init_kwargs or {}).items() if key in CONTEXT_KWARGS}
+
+
 def remote_code_trusted(args) -> bool:
     """Whether the model's own code may run: `model_init_kwargs`' `trust_remote_code`, else the config's."""
     return bool(model_init_kwargs(args).get("trust_remote_code", args.trust_remote_code))

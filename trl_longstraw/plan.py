@@ -388,7 +388,7 @@ def recipe_plan_inputs(path: str | Path, prompt_tokens: int) -> tuple[Pretrained
     import yaml
     from trl import ModelConfig, get_peft_config, get_quantization_config
 
-    from .config import LongStrawGRPOConfig
+    from .config import LongStrawGRPOConfig, context_overrides
 
     recipe = yaml.safe_load(Path(path).read_text()) or {}
     model_fields = {field.name for field in dataclasses.fields(ModelConfig)}
@@ -405,6 +405,8 @@ def recipe_plan_inputs(path: str | Path, prompt_tokens: int) -> tuple[Pretrained
     args.model_init_kwargs = {"dtype": model_args.dtype or "auto", **(args.model_init_kwargs or {})}
     name = model_args.model_name_or_path
     config = load_model_config(name, args.trust_remote_code)
+    for key, value in context_overrides(args).items():  # as transformers applies them when it loads the model
+        setattr(config.get_text_config(), key, value)
     setup = trainer_setup(config, name, args, get_peft_config(model_args), get_quantization_config(model_args))
     return config, name, setup, args.context_parallel_size, shards_weights
 

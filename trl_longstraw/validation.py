@@ -11,8 +11,8 @@ from accelerate.utils import is_peft_model
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from .architectures import check_supported, longrope_switch_length
-from .config import FP16_REFUSED, LongStrawGRPOConfig, remote_code_trusted
+from .architectures import check_supported, longrope_switch_length, yarn_extension
+from .config import FP16_REFUSED, LongStrawGRPOConfig, context_overrides, remote_code_trusted
 from .fsdp import check_weights_loaded
 
 
@@ -46,7 +46,7 @@ def check_model(model, args: LongStrawGRPOConfig, peft_config) -> PretrainedConf
     check_adapter(peft_config)
     if isinstance(model, str):
         trust_remote_code = remote_code_trusted(args)
-        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code, **context_overrides(args))
         check_supported(config, trust_remote_code=trust_remote_code)
         return config
     check_supported(model)
@@ -100,13 +100,26 @@ def check_positions(config, args: LongStrawGRPOConfig, prompt_width: int) -> Non
     def padded(width: int) -> int:
         return -(-width // multiple) * multiple if multiple else width
 
-    total = padded(prompt_width) + padded(generated)
-    spans = f"A prompt of {prompt_width} tokens plus {field_name}={generated} spans {total}"
+    check_context(config, prompt_width, generated, field_name, total=padded(prompt_width) + padded(generated))
+
+
+def check_context(
+    config, prompt_tokens: int, generated: int, generated_field: str = "max_completion_length", total=None
+) -> None:
+    """Refuse a prompt of `prompt_tokens` tokens plus `generated` tokens of completion (`total` positions with their
+    padding) past the model's positions (`max_position_embeddings`), or past the length where a longrope model
+    changes its factors: the trainer's check and the planner's (`trl-longstraw plan`), one message naming the fix."""
+    total = prompt_tokens + generated if total is None else total
+    spans = f"A prompt of {prompt_tokens} tokens plus {generated_field}={generated} spans {total}"
     max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
     if max_positions is not None and total > max_positions:
+        factor, parameters = yarn_extension(config, total)
         raise ValueError(
             f"{spans} positions, more than the model's max_position_embeddings={max_positions}. Truncate the "
-            f"prompts, lower {field_name}, or use a model configured for longer context."
+            f"prompts, lower {generated_field}, or extend the model's context with the RoPE scaling its model card "
+            f"gives, such as YaRN: model_init_kwargs rope_parameters={parameters} and max_position_embeddings="
+            f"{int(factor * parameters['original_max_position_embeddings'])} (the planner: --rope-scaling "
+            f"yarn:{factor:g})."
         )
     switch = longrope_switch_length(config)
     if switch is not None and total > switch:
@@ -114,8 +127,8 @@ def check_positions(config, args: LongStrawGRPOConfig, prompt_width: int) -> Non
             f"{spans} positions, more than this longrope model's original_max_position_embeddings={switch}. "
             "longrope rotates a whole forward with its long factors once the forward is longer than that, so "
             "stock's one forward of prompt + completion and LongStraw's chunked capture would rotate the prompt "
-            f"differently. Keep prompt + {field_name} within {switch} positions, or use a model whose RoPE does "
-            "not depend on the forward's length."
+            f"differently. Keep prompt + {generated_field} within {switch} positions, or use a model whose RoPE "
+            "does not depend on the forward's length."
         )
 
 
