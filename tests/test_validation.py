@@ -440,6 +440,18 @@ def test_longrope_past_its_original_length_is_refused(tokenizer, prompt_dataset,
         make_trainer(LongStrawGRPOTrainer, model, tokenizer, prompt_dataset, tmp_path, max_completion_length=8)
 
 
+def assert_scores_as_stock(stock, ours, vocab_size: int) -> None:
+    """The synthetic rows' completion log-probs of both trainers, equal."""
+    inputs = synthetic_inputs(vocab_size)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    width = inputs["completion_ids"].shape[1]
+    with torch.no_grad():
+        want = stock._get_per_token_logps_and_entropies(stock.model, ids, mask, width)[0]
+        got = ours._get_per_token_logps_and_entropies(ours.model, ids, mask, width)[0]
+    assert ((got - want) * inputs["completion_mask"]).abs().max() <= 1e-5
+
+
 def test_longrope_within_its_original_length_scores_as_stock(tokenizer, prompt_dataset, tmp_path):
     from trl import GRPOTrainer
 
@@ -448,14 +460,7 @@ def test_longrope_within_its_original_length_scores_as_stock(tokenizer, prompt_d
     ours = make_trainer(
         LongStrawGRPOTrainer, build_model("phi3", **longrope(32)), tokenizer, prompt_dataset, tmp_path / "ours"
     )
-    inputs = synthetic_inputs(len(tokenizer))
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    width = inputs["completion_ids"].shape[1]
-    with torch.no_grad():
-        want = stock._get_per_token_logps_and_entropies(stock.model, ids, mask, width)[0]
-        got = ours._get_per_token_logps_and_entropies(ours.model, ids, mask, width)[0]
-    assert ((got - want) * inputs["completion_mask"]).abs().max() <= 1e-5
+    assert_scores_as_stock(stock, ours, len(tokenizer))
 
 
 def test_a_prompt_past_the_positions_is_refused_naming_the_yarn_extension_which_then_scores_as_stock(
@@ -477,14 +482,7 @@ def test_a_prompt_past_the_positions_is_refused_naming_the_yarn_extension_which_
     ours = make_trainer(
         LongStrawGRPOTrainer, build_model("qwen3", **extended), tokenizer, prompt_dataset, tmp_path / "ours"
     )
-    inputs = synthetic_inputs(len(tokenizer))
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    width = inputs["completion_ids"].shape[1]
-    with torch.no_grad():
-        want = stock._get_per_token_logps_and_entropies(stock.model, ids, mask, width)[0]
-        got = ours._get_per_token_logps_and_entropies(ours.model, ids, mask, width)[0]
-    assert ((got - want) * inputs["completion_mask"]).abs().max() <= 1e-5
+    assert_scores_as_stock(stock, ours, len(tokenizer))
 
 
 def test_load_balancing_loss_without_an_expert_count_is_refused_at_construction(
