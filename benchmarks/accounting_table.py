@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/accounting_table.py
 
-Reads every `configs/architectures/*.json` (or the files given), accounts each with
+Reads every `trl_longstraw/accounting/architectures/*.json` (or the files given), accounts each with
 `trl_longstraw.accounting.prompt_state_account` (on the meta-device skeleton: no weights) and prints a markdown table.
 The model column is the file's `_source` (the Hub model its values were written from), else the file name. Stock
 GRPO's lower bound is `stock_activation_bytes` (checkpointed layer inputs of all G members, P + R tokens each).
@@ -23,7 +23,7 @@ from state_accounting import GIB, load_config
 
 from trl_longstraw.accounting import prompt_state_account, stock_activation_bytes
 
-ARCHITECTURES = HERE.parent / "configs" / "architectures"
+ARCHITECTURES = HERE.parent / "trl_longstraw" / "accounting" / "architectures"
 
 KIND_NAMES = {
     "full_attention": "full attention",
@@ -78,7 +78,9 @@ def row(path: Path, prompt_tokens: int, completion_tokens: int, group_size: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("configs", nargs="*", help="architecture JSON files (default: configs/architectures/*.json)")
+    parser.add_argument(
+        "configs", nargs="*", help="architecture JSON files (default: trl_longstraw/accounting/architectures/*.json)"
+    )
     parser.add_argument("--prompt-tokens", type=int, default=2_097_152)
     parser.add_argument("--completion-tokens", type=int, default=8192)
     parser.add_argument("--group-size", type=int, default=8)

@@ -4,7 +4,7 @@ rank sends, for Qwen3.6-27B and GLM-5 at 2,097,152 prompt positions and cp = 1, 
     .venv/bin/python benchmarks/context_parallel_scale.py [--prompt-length 2097152] [--cps 1,8,32]
 
 A model of the work LongStraw's CP scheme does (`trl_longstraw/context_parallel/`), from the architecture configs in
-`configs/architectures/`, under stated assumptions:
+`trl_longstraw/accounting/architectures/`, under stated assumptions:
 
 - FLOPs. Matmuls: 2 per multiply-add. The linear layers of a token: 2 x the active parameters of its decoder layers
   (embeddings and the LM head excluded: a capture computes neither). Causal softmax attention: 4 heads d per (query,
@@ -33,7 +33,7 @@ import argparse
 import json
 from pathlib import Path
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "architectures"
+CONFIGS = Path(__file__).resolve().parent.parent / "trl_longstraw" / "accounting" / "architectures"
 PEAK_FLOPS = 989e12  # H200 bf16 dense
 MFU = 0.40
 LINK_BYTES_PER_S = 450e9  # NVLink 4 per direction per GPU

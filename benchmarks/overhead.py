@@ -231,7 +231,9 @@ def main() -> None:
 
     large = {}
     for stem in ("qwen3_6_27b", "glm5"):
-        skeleton = model_skeleton(load_config(str(HERE.parent / "configs" / "architectures" / f"{stem}.json")))
+        skeleton = model_skeleton(
+            load_config(str(HERE.parent / "trl_longstraw" / "accounting" / "architectures" / f"{stem}.json"))
+        )
         count = 50
         begin = time.perf_counter()
         for _ in range(count):
@@ -331,7 +333,7 @@ def main() -> None:
         "| config | parameter tensors | per call | per group |",
         "| --- | ---: | ---: | ---: |",
         *(
-            f"| `configs/architectures/{stem}.json` | {n:,} | {per_call * 1e6:.0f} us | "
+            f"| `trl_longstraw/accounting/architectures/{stem}.json` | {n:,} | {per_call * 1e6:.0f} us | "
             f"{per_call * (1 + 2 * args.group_size) * 1e3:.2f} ms |"
             for stem, (n, per_call) in large.items()
         ),

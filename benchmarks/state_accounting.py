@@ -1,7 +1,7 @@
 """Durable prompt-state bytes per layer type for a model config, next to stock GRPO's lower bound (computed).
 
     .venv/bin/python benchmarks/state_accounting.py \
-        configs/architectures/qwen3_6_27b.json configs/architectures/glm5.json
+        trl_longstraw/accounting/architectures/qwen3_6_27b.json trl_longstraw/accounting/architectures/glm5.json
 
 Each argument is a Hub model directory/id (its `config.json`) or a JSON file of config kwargs with a `model_type`.
 """

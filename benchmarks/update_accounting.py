@@ -6,7 +6,7 @@
     .venv/bin/python benchmarks/update_accounting.py \
         --recipe configs/qwen3_6_27b_qlora_cp8.yaml@2097152 --recipe configs/qwen3_8b_lora_cp2.yaml@32768
 
-Each row is `trl_longstraw.accounting.update_account` on a file of `configs/architectures/` (meta-device skeleton, no
+Each row is `trl_longstraw.accounting.update_account` on a file of `trl_longstraw/accounting/architectures/` (meta-device skeleton, no
 weights): weights (bf16, or NF4 as bitsandbytes stores it), LoRA adapters with their fp32 AdamW state (counted by
 PEFT on the skeleton), the prompt state by dtype and placement, and the ESTIMATED working set, the larger of one
 replay's autograd graph and one capture chunk's transients. Weights, LoRA and state are byte counts (checked against
@@ -38,7 +38,7 @@ from state_accounting import GIB, load_config
 from trl_longstraw.accounting import UpdateAccount, UpdateSetup, update_account
 from trl_longstraw.plan import Plan, plan_run, recipe_plan_inputs
 
-ARCHITECTURES = HERE.parent / "configs" / "architectures"
+ARCHITECTURES = HERE.parent / "trl_longstraw" / "accounting" / "architectures"
 H200_USABLE_GIB = 139  # 141 GB of HBM3e: CUDA reports about 140 GiB, about 139 GiB free to a process after its context
 GLM5_RECIPE = HERE.parent / "configs" / "glm5_lora_fsdp2_cp8.yaml"
 

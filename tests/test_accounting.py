@@ -32,7 +32,7 @@ from .test_engine import case, chunked_attention_model, prepared
 
 
 def architecture(name):
-    kwargs = json.loads(Path(f"configs/architectures/{name}.json").read_text())
+    kwargs = json.loads(Path(f"trl_longstraw/accounting/architectures/{name}.json").read_text())
     return AutoConfig.for_model(**{k: v for k, v in kwargs.items() if not k.startswith("_")})
 
 

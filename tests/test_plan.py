@@ -234,6 +234,39 @@ def test_every_recipe_fits_its_models_context_at_the_length_it_is_written_for(re
     check_context(config, setup.prompt_tokens, setup.completion_tokens)
 
 
+@pytest.mark.slow
+def test_an_installed_wheel_plans_an_architecture_by_name(tmp_path):
+    """The architecture configs ship in the wheel (package data): `trl-longstraw plan NAME` finds them from an
+    installed wheel, away from the source tree."""
+    import os
+    import shutil
+    import zipfile
+
+    root, source = Path(__file__).resolve().parent.parent, tmp_path / "source"  # built away from the checkout
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(root / name, source / name)
+    shutil.copytree(root / "trl_longstraw", source / "trl_longstraw", ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--quiet", "-w", str(tmp_path / "dist"), str(source)], check=True)
+    wheel = next((tmp_path / "dist").glob("trl_longstraw-*.whl"))
+    assert "trl_longstraw/accounting/architectures/qwen3_8b.json" in zipfile.ZipFile(wheel).namelist()
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--quiet", "--target", str(site), str(wheel)], check=True)
+    script = (
+        "import trl_longstraw\n"
+        f"assert trl_longstraw.__file__.startswith({str(site)!r}), trl_longstraw.__file__\n"
+        "from trl_longstraw import cli\n"
+        "raise SystemExit(cli.main(['plan', 'qwen3_8b', '--prompt-length', '4096']))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(site))
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("qwen3_8b: P = 4,096")
+
+
 def test_a_config_is_read_from_a_folder_a_json_file_or_an_architecture_name(tmp_path):
     tiny_config("qwen3").save_pretrained(tmp_path)
     assert load_model_config(str(tmp_path)).model_type == "qwen3"

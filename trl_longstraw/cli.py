@@ -48,7 +48,7 @@ def plan_parser(subparsers) -> argparse.ArgumentParser:
         "model",
         nargs="?",
         help="a local model folder, a config .json, a Hub id in the local Hugging Face cache, or an architecture "
-        "name of configs/architectures/",
+        "name of trl_longstraw/accounting/architectures/",
     )
     parser.add_argument(
         "--config",

@@ -44,7 +44,7 @@ from .fsdp import is_sharded, shard_count
 logger = logging.get_logger(__name__)
 
 GIB = 1024**3
-ARCHITECTURES = Path(__file__).resolve().parent.parent / "configs" / "architectures"
+ARCHITECTURES = Path(__file__).resolve().parent / "accounting" / "architectures"  # shipped in the wheel
 SMALLEST_CHUNK = 512  # chunk sizes the suggestions go down to
 LARGEST_CONTEXT_PARALLEL = 64
 
@@ -55,7 +55,7 @@ class ModelSourceError(ValueError):
 
 def load_model_config(source: str, trust_remote_code: bool = False) -> PretrainedConfig:
     """A config from a local model folder, a config `.json` file (a `config.json`, or an architecture file with a
-    `model_type`), the name of a file in `configs/architectures/`, or a Hub id already in the local Hugging Face cache
+    `model_type`), the name of a file in `trl_longstraw/accounting/architectures/`, or a Hub id already in the local Hugging Face cache
     (nothing is downloaded)."""
     path = Path(source)
     architecture = ARCHITECTURES / f"{source}.json"
