@@ -483,11 +483,13 @@ class LongStrawEngine:
         router_weights: torch.Tensor | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         phase: Callable[[str], contextlib.AbstractContextManager] = no_phase,
+        check_replayed: Callable[[ReplayedMembers], None] | None = None,
     ) -> ReplayedMembers:
-        """A group's share of the update: its members replayed against `state` (`replay_group`, in `phase("replay")`)
-        and, in exact mode, the gradient they left on the state pushed into the parameters (`backward_prompt`, in
-        `phase("prompt_backward")`), with the load-balancing loss's share through the prompt tokens' routing once
-        per row of the group. In exact mode the state gets gradient buffers, which make it single-use."""
+        """A group's share of the update: its members replayed against `state` (`replay_group`, in `phase("replay")`,
+        where `check_replayed` reads what was replayed) and, in exact mode, the gradient they left on the state pushed
+        into the parameters (`backward_prompt`, in `phase("prompt_backward")`), with the load-balancing loss's share
+        through the prompt tokens' routing once per row of the group. In exact mode the state gets gradient buffers,
+        which make it single-use."""
         exact = self.prompt_gradient == "exact"
         if exact:
             state.requires_grad_()
@@ -503,6 +505,8 @@ class LongStrawEngine:
                 router_weights,
                 autocast=autocast,
             )
+            if check_replayed is not None:
+                check_replayed(replayed)
         if exact:
             prompt_weights = None
             if router_weights is not None and not replayed.routing_detached:

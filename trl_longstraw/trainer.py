@@ -366,8 +366,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             rows = torch.tensor(group.rows, device=completion_ids.device)
             with self._phase("score"), torch.no_grad(), self.accelerator.autocast():
                 scores = self.engine.score_group(causal_lm, state, group, completion_ids[rows], router_load)
-            scored = "the reference model's scored log-probs" if reference else "the scored log-probs"
-            self._check_members(torch.isfinite(scores.logps).all(dim=1), scored, group)
+                scored = "the reference model's scored log-probs" if reference else "the scored log-probs"
+                self._check_members(torch.isfinite(scores.logps).all(dim=1), scored, group)
             if router_load:
                 load = scores.router_load if load is None else load + scores.router_load
             if logps is None:
@@ -486,8 +486,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                     router_weights,
                     autocast=self.accelerator.autocast,
                     phase=self._phase,
+                    check_replayed=lambda replayed, group=group: self._check_members(
+                        replayed.finite, "the replayed log-probs", group, replayed.members
+                    ),
                 )
-                self._check_members(replayed_here.finite, "the replayed log-probs", group, replayed_here.members)
                 replayed = replayed or bool(replayed_here.members)
                 if not exact:  # exact mode's state has gradient buffers: single-use
                     self._kept.keep(group, state)
