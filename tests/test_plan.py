@@ -176,6 +176,10 @@ def test_shard_weights_is_suggested_for_a_full_fine_tune_that_does_not_fit_one_d
     assert cli.main(args) == 1
     out = capsys.readouterr().out
     assert "--weight-shards 8:" in out and "(recipe: shard_weights: true)" in out
+    # the recipes of this model that fit as they are (qwen3_8b_lora.yaml is for 32K prompts: past its context here)
+    recipes = out.split("Recipes of configs/ for this model that fit, each with its own settings:\n")[1].splitlines()
+    assert [line.split(":")[0].strip() for line in recipes] == ["configs/qwen3_8b_full_fsdp2.yaml"]
+    assert "--config configs/qwen3_8b_full_fsdp2.yaml --prompt-length 131072 --gpu-memory 80 --gpus 8" in recipes[0]
     assert cli.main([*args, "--weight-shards", "8"]) == 0
     assert "weights sharded over 8 ranks (FSDP2)" in capsys.readouterr().out
 

@@ -195,7 +195,14 @@ def run_plan(args: argparse.Namespace) -> int:
     import yaml
 
     from .architectures import with_yarn
-    from .plan import ModelSourceError, format_plan, load_model_config, plan_run, recipe_plan_inputs
+    from .plan import (
+        ModelSourceError,
+        fitting_recipes,
+        format_plan,
+        load_model_config,
+        plan_run,
+        recipe_plan_inputs,
+    )
     from .state import UnsupportedModelError
     from .validation import check_context
 
@@ -277,6 +284,19 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(format_plan(plan))
+        if plan.fits is False and args.model is not None and simulated is None:
+            recipes = fitting_recipes(
+                args.model, args.prompt_length, budget, args.gpus, args.per_device_train_batch_size
+            )
+            if recipes:
+                print("Recipes of configs/ for this model that fit, each with its own settings:")
+            for path, fitting in recipes:
+                machine = f" --gpus {args.gpus}" if args.gpus is not None else ""
+                print(
+                    f"  {path.relative_to(path.parent.parent)}: {fitting.device_bytes / GIB:,.2f} GiB (trl-longstraw "
+                    f"plan --config {path.relative_to(path.parent.parent)} --prompt-length {args.prompt_length} "
+                    f"--gpu-memory {args.gpu_memory:g}{machine})"
+                )
         if simulated is not None:
             print()
             print(simulated.format())

@@ -45,6 +45,7 @@ logger = logging.get_logger(__name__)
 
 GIB = 1024**3
 ARCHITECTURES = Path(__file__).resolve().parent / "accounting" / "architectures"  # shipped in the wheel
+RECIPES = Path(__file__).resolve().parent.parent / "configs"  # a source checkout's recipes (not in the wheel)
 SMALLEST_CHUNK = 512  # chunk sizes the suggestions go down to
 LARGEST_CONTEXT_PARALLEL = 64
 
@@ -603,6 +604,55 @@ def weight_shards_at_construction(model, args) -> int:
     if args.shard_weights:
         return int(os.environ.get("WORLD_SIZE", "1"))
     return 1
+
+
+def model_names(source: str) -> set[str]:
+    """The names a recipe may give the model `source` names: itself, and the Hub id an architecture file was written
+    from (`_source`)."""
+    architecture = ARCHITECTURES / f"{source}.json"
+    names = {source}
+    if architecture.is_file() and not Path(source).exists():
+        names.add(json.loads(architecture.read_text()).get("_source", source))
+    return names
+
+
+def fitting_recipes(
+    source: str, prompt_tokens: int, budget: int, devices: int | None, per_device_train_batch_size: int
+) -> list[tuple[Path, Plan]]:
+    """The recipes of `configs/` for the model `source` names that fit `budget` bytes per device at `prompt_tokens`,
+    each with its own settings (`recipe_plan_inputs`), its weights sharded over `devices` where it shards them (skipped
+    without `devices`), and its context checked as the trainer checks it. None outside a source checkout."""
+    import yaml
+
+    from .validation import check_context
+
+    names, fitting = model_names(source), []
+    for path in sorted(RECIPES.glob("*.yaml")):
+        if (yaml.safe_load(path.read_text()) or {}).get("model_name_or_path") not in names:
+            continue
+        try:
+            config, name, setup, context_parallel, shards_weights = recipe_plan_inputs(path, prompt_tokens)
+            check_context(config, setup.prompt_tokens, setup.completion_tokens)
+        except ValueError:  # past the recipe's context, or a setting refused at this length
+            continue
+        if shards_weights and devices is None:
+            continue
+        if devices is not None and context_parallel > devices:
+            continue
+        plan = plan_run(
+            config,
+            setup,
+            context_parallel,
+            budget,
+            per_device_train_batch_size,
+            model=name,
+            suggest=False,
+            devices=devices,
+            weight_shards=devices if shards_weights else 1,
+        )
+        if plan.fits:
+            fitting.append((path, plan))
+    return fitting
 
 
 def format_plan(plan: Plan) -> str:
