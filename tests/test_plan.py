@@ -192,6 +192,23 @@ def test_a_recipe_that_shards_its_weights_is_planned_over_its_ranks(capsys):
     assert "weights sharded over 8 ranks (FSDP2)" in capsys.readouterr().out
 
 
+def test_the_planners_adapter_defaults_are_trls(capsys):
+    """No adapter unless a LoRA rank is given (TRL trains the whole model without a peft_config), and then PEFT's
+    default modules for the model type (TRL's lora_target_modules default)."""
+    base = ["plan", "qwen3_8b", "--prompt-length", "4096", "--json"]
+    plans = {}
+    for name, flags in (
+        ("default", []),
+        ("rank", ["--lora-r", "16"]),
+        ("all", ["--lora-r", "16", "--lora-target-modules", "all-linear"]),
+    ):
+        assert cli.main([*base, *flags]) == 0
+        plans[name] = json.loads(capsys.readouterr().out)["settings"]
+    assert plans["default"]["lora_rank"] is None
+    assert (plans["rank"]["lora_rank"], plans["rank"]["lora_targets"]) == (16, None)
+    assert plans["all"]["lora_targets"] == "all-linear"
+
+
 def test_a_prompt_past_the_models_positions_is_refused_naming_yarn_and_planned_with_it(capsys):
     """The trainer's context check (`validation.check_context`): Qwen3-8B holds 40,960 positions."""
     args = ["plan", "qwen3_8b", "--prompt-length", "131072", "--gpu-memory", "80"]
@@ -200,7 +217,7 @@ def test_a_prompt_past_the_models_positions_is_refused_naming_yarn_and_planned_w
     assert err.count("\n") == 1 and "max_position_embeddings=40960" in err and "--rope-scaling yarn:4" in err
     assert "rope_parameters={'rope_type': 'yarn'," in err and "'factor': 4.0" in err
     assert "'original_max_position_embeddings': 40960} and max_position_embeddings=163840" in err
-    assert cli.main([*args, "--rope-scaling", "yarn:4"]) == 0
+    assert cli.main([*args, "--rope-scaling", "yarn:4", "--lora-r", "16"]) == 0
     capsys.readouterr()
     for bad in ("yarn", "yarn:1", "linear:4"):
         with pytest.raises(SystemExit) as exited:
@@ -312,6 +329,7 @@ def test_the_script_names_an_unreadable_model_and_exits_2(capsys):
         (["--prompt-length", "9", "--weight-shards", "3", "--gpus", "8"], "does not divide --gpus 8"),
         (["--prompt-length", "9", "--gpus", "0"], "--gpus must be at least 1, got 0"),
         (["--prompt-length", "9", "--lora-r", "-4"], "--lora-r must be 0 .* got -4"),
+        (["--prompt-length", "9", "--lora-target-modules", "all-linear"], "--lora-target-modules needs --lora-r > 0"),
         (["--prompt-length", "9", "--attention-chunk-size", "0"], "--attention-chunk-size must be at least 1"),
         (["--prompt-length", "9", "--per-device-train-batch-size", "0"], "--per-device-train-batch-size must be"),
     ],

@@ -68,8 +68,15 @@ def plan_parser(subparsers) -> argparse.ArgumentParser:
         help="extend the model's context with YaRN by FACTOR over its max_position_embeddings (what model_init_kwargs "
         "rope_parameters and max_position_embeddings load)",
     )
-    parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank; 0: full fine-tuning")
-    parser.add_argument("--lora-target-modules", nargs="+", default=["all-linear"], help="PEFT's target_modules")
+    parser.add_argument(
+        "--lora-r", type=int, default=0, help="LoRA rank; 0: full fine-tuning (TRL's default: no peft_config)"
+    )
+    parser.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        help="PEFT's target_modules, e.g. all-linear (default: PEFT's for the model type, as TRL's lora_target_modules)",
+    )
     parser.add_argument("--load-in-4bit", action="store_true", help="NF4 base weights (QLoRA)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="weights")
     parser.add_argument("--prompt-state-dtype", choices=("auto", "float8_e4m3fn"), default="auto", help="its pages")
@@ -162,6 +169,8 @@ def check_plan_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
         )
     if args.gpus is not None and args.context_parallel_size > args.gpus:
         parser.error(f"--context-parallel-size {args.context_parallel_size} exceeds --gpus {args.gpus}")
+    if args.lora_target_modules is not None and args.lora_r == 0:
+        parser.error("--lora-target-modules needs --lora-r > 0: a LoRA rank (0, the default, is a full fine-tune)")
     if args.load_in_4bit and args.lora_r == 0:
         parser.error("--load-in-4bit trains adapters only (QLoRA): give --lora-r > 0, or drop --load-in-4bit")
     if args.prompt_state_dtype != "auto" and args.dtype == "float32":
@@ -285,9 +294,11 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print(format_plan(plan))
         if plan.fits is False and args.model is not None and simulated is None:
-            recipes = fitting_recipes(
-                args.model, args.prompt_length, budget, args.gpus, args.per_device_train_batch_size
-            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # as for the plan above
+                recipes = fitting_recipes(
+                    args.model, args.prompt_length, budget, args.gpus, args.per_device_train_batch_size
+                )
             if recipes:
                 print("Recipes of configs/ for this model that fit, each with its own settings:")
             for path, fitting in recipes:
@@ -318,7 +329,7 @@ def setup_from_flags(args: argparse.Namespace):
         group_size=args.num_generations,
         quantization="nf4" if args.load_in_4bit else "none",
         lora_rank=args.lora_r or None,
-        lora_targets=targets[0] if targets == ["all-linear"] else tuple(targets),
+        lora_targets=None if targets is None else targets[0] if targets == ["all-linear"] else tuple(targets),
         state_dtype=args.prompt_state_dtype,
         state_device=args.prompt_state_device,
         activation_checkpointing=args.activation_checkpointing,
