@@ -1,10 +1,14 @@
-"""Long-context GRPO with `LongStrawGRPOTrainer`, launchable with `accelerate launch` like TRL's own scripts.
+"""Long-context GRPO with `LongStrawGRPOTrainer`, launchable with `accelerate launch` like TRL's own `grpo.py`.
 
     accelerate launch recipes/grpo_longstraw.py --config configs/demo_embedded.yaml
+    accelerate launch recipes/grpo_longstraw.py --model_name_or_path Qwen/Qwen3-8B --dataset_name ORG/DATA \
+        --reward_funcs accuracy_reward my_lib.rewards.custom_reward --eval_strategy steps
 
-By default it trains the embedded tiny model on the embedded needle task (nothing is downloaded); with a Hub model id
-and dataset it trains those instead. The rewards are the needle task's (`needle_reward` + `digits_only_reward`): a Hub
-dataset needs an `answer` column, or these reward functions replaced by ones for its task.
+TRL's script arguments (`trl.ScriptArguments`: `--dataset_name`, `--dataset_config`, `--dataset_train_split`,
+`--dataset_test_split`, `--dataset_streaming`; an eval set from the test split when `--eval_strategy` is not "no"),
+and its rewards: `--reward_funcs` (TRL's by name, this task's `needle_reward` and `digits_only_reward`, or any dotted
+import path) and `--reward_model_name_or_path`. By default it trains the embedded tiny model on the embedded needle
+task with the needle rewards (nothing is downloaded).
 
 After training, rank 0 prints the wall time and peak memory of each LongStraw phase, read back from the trainer's
 logs, so the cost of a long prompt can be read off without a dashboard.
@@ -12,7 +16,10 @@ logs, so the cost of a long prompt can be read off without a dashboard.
 
 from __future__ import annotations
 
+import importlib
+import os
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +27,8 @@ import torch
 from datasets import Dataset, load_dataset
 from needle_task import build_needle_dataset, digits_only_reward, needle_reward  # sibling module of this script
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
+from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
+from trl.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
 from trl_longstraw.embedded import FAMILIES, build_model, build_tokenizer
@@ -28,23 +36,40 @@ from trl_longstraw.telemetry import PHASES, PREFIX
 
 EMBEDDED = "embedded"
 EMBEDDED_NEEDLE = "embedded:needle"
+# TRL's grpo.py registry, and this task's rewards
+TRL_REWARDS = {
+    "accuracy_reward": accuracy_reward,
+    "reasoning_accuracy_reward": reasoning_accuracy_reward,
+    "think_format_reward": think_format_reward,
+    "get_soft_overlong_punishment": get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256),
+}
+REWARDS = {**TRL_REWARDS, "needle_reward": needle_reward, "digits_only_reward": digits_only_reward}
 
 
 @dataclass
-class LongStrawScriptArguments:
-    """What to train on: the embedded needle task (default) or a Hub dataset."""
+class LongStrawScriptArguments(ScriptArguments):
+    """TRL's script arguments (the dataset and its splits) and `grpo.py`'s rewards, with the embedded needle task as
+    the default dataset."""
 
-    dataset_name: str = field(
+    dataset_name: str | None = field(
         default=EMBEDDED_NEEDLE,
         metadata={
             "help": f"'{EMBEDDED_NEEDLE}' builds the synthetic needle-in-a-haystack task in code; anything else is "
-            "loaded with `datasets.load_dataset(dataset_name, split=dataset_train_split)` and needs a `prompt` "
-            "column and, for `needle_reward`, an `answer` column."
+            "loaded with `datasets.load_dataset(dataset_name, name=dataset_config)` and needs a `prompt` column "
+            "(and, for `needle_reward`, an `answer` column)."
         },
     )
-    dataset_train_split: str = field(
-        default="train",
-        metadata={"help": "Split of a Hub dataset to train on (unused by the embedded needle task)."},
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": f"Reward functions: TRL's ({', '.join(TRL_REWARDS)}), this task's (needle_reward, "
+            "digits_only_reward), or any dotted import path (e.g. 'my_lib.rewards.custom_reward'). Default: the "
+            "needle task's two for the embedded needle task; required otherwise (or a reward model)."
+        },
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "A reward model (a Hub id or a local folder), scored beside the reward functions."},
     )
     num_prompts: int = field(
         default=8,
@@ -119,11 +144,47 @@ def load_model_and_tokenizer(
     return model_args.model_name_or_path, tokenizer
 
 
-def load_train_dataset(script_args: LongStrawScriptArguments, seed: int) -> Dataset:
-    """The embedded needle task, or the requested split of a Hub dataset."""
+def reward_functions(script_args: LongStrawScriptArguments) -> list:
+    """`--reward_model_name_or_path` and `--reward_funcs` as TRL's grpo.py resolves them (a name of `REWARDS`, or a
+    dotted import path); the needle task's two rewards by default for the embedded needle task."""
+    names = script_args.reward_funcs
+    if names is None and script_args.dataset_name == EMBEDDED_NEEDLE:
+        names = ["needle_reward", "digits_only_reward"]
+    rewards = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
+    for name in names or []:
+        if name in REWARDS:
+            rewards.append(REWARDS[name])
+        elif "." in name:
+            module, function = name.rsplit(".", 1)
+            sys.path.insert(0, os.getcwd())
+            rewards.append(getattr(importlib.import_module(module), function))
+        else:
+            raise ValueError(
+                f"--reward_funcs {name!r}: give one of {', '.join(REWARDS)}, or a dotted import path "
+                "(e.g. my_lib.rewards.custom_reward)."
+            )
+    if not rewards:
+        raise ValueError(
+            f"--dataset_name {script_args.dataset_name}: give its rewards with --reward_funcs (names or dotted import "
+            "paths) or --reward_model_name_or_path."
+        )
+    return rewards
+
+
+def load_datasets(
+    script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConfig
+) -> tuple[Dataset, Dataset | None]:
+    """The train split and, when evaluating (`eval_strategy` not "no"), the test split: the embedded needle task
+    (its eval set built with the next seed), or a Hub dataset (`load_dataset(dataset_name, name=dataset_config)`)."""
+    evaluating = str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy)) != "no"
     if script_args.dataset_name == EMBEDDED_NEEDLE:
-        return build_needle_dataset(script_args.num_prompts, script_args.prompt_chars, seed=seed)
-    return load_dataset(script_args.dataset_name, split=script_args.dataset_train_split)
+        count, chars = script_args.num_prompts, script_args.prompt_chars
+        train = build_needle_dataset(count, chars, seed=training_args.seed)
+        return train, build_needle_dataset(count, chars, seed=training_args.seed + 1) if evaluating else None
+    dataset = load_dataset(
+        script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
+    )
+    return dataset[script_args.dataset_train_split], dataset[script_args.dataset_test_split] if evaluating else None
 
 
 def phase_table(log_history: list[dict[str, float]]) -> str:
@@ -182,12 +243,15 @@ def save_reward_curve(log_history: list[dict[str, float]], path: Path) -> Path |
 
 
 def main(script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConfig, model_args: ModelConfig) -> None:
+    reward_funcs = reward_functions(script_args)  # before any model loads: a bad name fails at once
+    train_dataset, eval_dataset = load_datasets(script_args, training_args)
     model, tokenizer = load_model_and_tokenizer(script_args, training_args, model_args)
     trainer = LongStrawGRPOTrainer(
         model=model,
-        reward_funcs=[needle_reward, digits_only_reward],
+        reward_funcs=reward_funcs,
         args=training_args,
-        train_dataset=load_train_dataset(script_args, training_args.seed),
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),

@@ -4,6 +4,7 @@ its default, the README stays a front page, every relative link resolves, and no
 import ast
 import dataclasses
 import re
+import runpy
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,30 @@ def test_pages_do_not_narrate_how_they_were_written(page):
     text = page.read_text().lower()
     found = [phrase for phrase in FORBIDDEN if phrase in text]
     assert not found, f"{page_id(page)} contains {found}: say what the software does and what was measured"
+
+
+def test_the_readmes_quick_start_runs_as_written_on_a_tiny_model(tmp_path, monkeypatch):
+    """The quick start's code, complete as printed, with only the Hub model and dataset swapped for a tiny model
+    saved to disk and 8 in-memory prompts, and one short step."""
+    from datasets import Dataset
+
+    from trl_longstraw.embedded import build_model, build_tokenizer
+
+    code = re.search(r"## Quick start\n\n```python\n(.*?)```", README.read_text(), re.DOTALL).group(1)
+    model = tmp_path / "model"
+    build_model("qwen3", seed=0).save_pretrained(model)
+    build_tokenizer().save_pretrained(model)
+    prompts = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"say {word}"}] for word in "abcdefgh"]})
+    monkeypatch.setattr("datasets.load_dataset", lambda *args, **kwargs: prompts)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    settings = (
+        f"output_dir={str(tmp_path / 'out')!r}, max_steps=1, max_completion_length=4, use_cpu=True, bf16=False, "
+        "report_to='none', save_strategy='no'"
+    )
+    for hub, local in (('"Qwen/Qwen3-8B"', repr(str(model))), ('output_dir="out"', settings)):
+        assert hub in code
+        code = code.replace(hub, local)
+    script = tmp_path / "quick_start.py"
+    script.write_text(code)
+    namespace = runpy.run_path(str(script))
+    assert namespace["trainer"].state.global_step == 1

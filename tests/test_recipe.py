@@ -73,3 +73,49 @@ def test_every_recipe_config_parses_into_the_recipe_arguments(config, monkeypatc
         args=["--config", str(config), "--bf16", "false", "--use_cpu", "true", "--output_dir", "/tmp/unused"]
     )
     assert model.model_name_or_path and training.num_generations
+
+
+@pytest.fixture
+def recipe(monkeypatch):
+    monkeypatch.syspath_prepend(RECIPES)
+    import grpo_longstraw
+
+    return grpo_longstraw
+
+
+def test_reward_funcs_are_resolved_as_trls_grpo_script_resolves_them(recipe):
+    """TRL's names, this task's, dotted import paths, a reward model first; the needle task's two by default."""
+    from needle_task import digits_only_reward, needle_reward
+    from trl.rewards import accuracy_reward
+
+    arguments = recipe.LongStrawScriptArguments(
+        dataset_name="org/data",
+        reward_funcs=["accuracy_reward", "needle_task.digits_only_reward"],
+        reward_model_name_or_path="org/reward-model",
+    )
+    assert recipe.reward_functions(arguments) == ["org/reward-model", accuracy_reward, digits_only_reward]
+    assert recipe.reward_functions(recipe.LongStrawScriptArguments()) == [needle_reward, digits_only_reward]
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        ({"reward_funcs": ["accuracy"]}, "--reward_funcs 'accuracy': give one of accuracy_reward"),
+        ({"dataset_name": "org/data"}, "--dataset_name org/data: give its rewards with --reward_funcs"),
+    ],
+)
+def test_a_reward_that_cannot_be_found_is_refused_naming_the_flag(recipe, arguments, message):
+    with pytest.raises(ValueError, match=message):
+        recipe.reward_functions(recipe.LongStrawScriptArguments(**arguments))
+
+
+def test_the_needle_task_gives_an_eval_set_when_evaluating(recipe, tmp_path):
+    from trl_longstraw import LongStrawGRPOConfig
+
+    arguments = recipe.LongStrawScriptArguments(num_prompts=2, prompt_chars=100)
+    for strategy, evaluated in (("no", False), ("steps", True)):
+        args = LongStrawGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, eval_strategy=strategy)
+        train, evaluation = recipe.load_datasets(arguments, args)
+        assert len(train) == 2 and (evaluation is not None) == evaluated
+        if evaluated:
+            assert evaluation["prompt"] != train["prompt"]
