@@ -373,7 +373,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             if logps is None:
                 logps = scores.logps.new_zeros(completion_ids.shape)
                 entropies = scores.logps.new_zeros(completion_ids.shape)
-            logps[rows.to(logps.device)] = scores.logps
+            logps[rows.to(logps.device)] = scores.logps.to(logps.device)
             if scores.entropies is not None:  # None: every member of the group is empty (e.g. all truncated)
                 entropies[rows.to(entropies.device)] = scores.entropies.to(entropies)
             if not reference:
