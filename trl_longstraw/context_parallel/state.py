@@ -94,11 +94,15 @@ def refuse_unsharded_layers(layers: list[LayerState]) -> None:
             )
 
 
-class ShardedAttention:
-    """`PromptState.attention` over every rank's pages, as one softmax across the CP group."""
+class ShardingPiece:
+    """One piece of a `PromptSharding`, reading what the pieces share: the state, its CP group and its layout."""
 
     def __init__(self, sharding: PromptSharding):
         self.sharding, self.state, self.cp, self.layout = sharding, sharding.state, sharding.cp, sharding.layout
+
+
+class ShardedAttention(ShardingPiece):
+    """`PromptState.attention` over every rank's pages, as one softmax across the CP group."""
 
     def __call__(
         self,
@@ -181,11 +185,11 @@ class ShardedAttention:
         return StepAttention.apply(query, sinks, own_keys, own_values, call, *page_tensors)
 
 
-class ShardedSelection:
+class ShardedSelection(ShardingPiece):
     """A DSA indexer call's top-k over every rank's indexer keys (state/dsa.py selects within a rank)."""
 
     def __init__(self, sharding: PromptSharding):
-        self.sharding, self.state, self.cp, self.layout = sharding, sharding.state, sharding.cp, sharding.layout
+        super().__init__(sharding)
         self.step_selections: list[torch.Tensor] | None = None  # each rank's last DSA top-k of the step
         self._step_calls: list[dict] | None = None  # each rank's inputs of the indexer call in flight
 
@@ -255,7 +259,7 @@ class ShardedSelection:
         return values.to(candidates[0].dtype), indices
 
 
-class ChunkStateHandOffs:
+class ChunkStateHandOffs(ShardingPiece):
     """Recurrent kinds' chunk states handed from the holder of a chunk to the holder of the next (capture), and their
     gradients back (exact-mode recompute).
 
@@ -265,7 +269,7 @@ class ChunkStateHandOffs:
     """
 
     def __init__(self, sharding: PromptSharding):
-        self.sharding, self.state, self.cp, self.layout = sharding, sharding.state, sharding.cp, sharding.layout
+        super().__init__(sharding)
         layers = self.state.layers
         # capture: id(layer state) -> (the chunk whose starting states it holds, how many of them are in place)
         self._started: dict[int, tuple[int, int]] = {}
