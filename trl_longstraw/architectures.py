@@ -109,16 +109,21 @@ if __name__ == "__main__":
     print(support_table())
 
 
-def yarn_extension(config: PretrainedConfig, positions: int) -> tuple[float, dict]:
-    """YaRN's RoPE scaling that takes a model to at least `positions` positions: the factor (a whole number) over its
-    original context (`max_position_embeddings`, or the original of a model already scaled by YaRN) and the
-    `rope_parameters` to load it with (the model's own, its RoPE type made YaRN)."""
+def yarn_original(config: PretrainedConfig) -> tuple[int, dict]:
+    """The context YaRN scales a model from (`max_position_embeddings`, or the original of a model already scaled by
+    YaRN) and the model's own `rope_parameters` (none for per-layer-type ones, which are not extended here)."""
     text = config.get_text_config()
     own = getattr(text, "rope_parameters", None) or {}
-    own = {} if any(isinstance(value, dict) for value in own.values()) else own  # per layer type: not extended here
-    original = text.max_position_embeddings
+    own = {} if any(isinstance(value, dict) for value in own.values()) else own
     if own.get("rope_type") == "yarn" and own.get("original_max_position_embeddings"):
-        original = own["original_max_position_embeddings"]
+        return own["original_max_position_embeddings"], own
+    return text.max_position_embeddings, own
+
+
+def yarn_extension(config: PretrainedConfig, positions: int) -> tuple[float, dict]:
+    """YaRN's RoPE scaling that takes a model to at least `positions` positions: the factor (a whole number) over its
+    original context (`yarn_original`) and the `rope_parameters` to load it with (the model's own, made YaRN)."""
+    original, own = yarn_original(config)
     factor = float(-(-positions // original))
     return factor, {**own, "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
 
@@ -126,8 +131,13 @@ def yarn_extension(config: PretrainedConfig, positions: int) -> tuple[float, dic
 def with_yarn(config: PretrainedConfig, factor: float) -> PretrainedConfig:
     """`config` with YaRN's RoPE scaling by `factor` over its original context (what `--rope-scaling yarn:F` plans,
     and what `model_init_kwargs` of `rope_parameters` and `max_position_embeddings` load)."""
+    original, own = yarn_original(config)
     text = config.get_text_config()
-    _, parameters = yarn_extension(config, 1)
-    text.rope_parameters = {**parameters, "factor": float(factor)}
-    text.max_position_embeddings = int(factor * parameters["original_max_position_embeddings"])
+    text.rope_parameters = {
+        **own,
+        "rope_type": "yarn",
+        "factor": float(factor),
+        "original_max_position_embeddings": original,
+    }
+    text.max_position_embeddings = int(factor * original)
     return config
