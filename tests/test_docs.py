@@ -19,11 +19,17 @@ README = REPOSITORY / "README.md"
 PAGES = [README, REPOSITORY / "CHANGELOG.md", *sorted(DOCS.glob("*.md"))]
 README_MAX_LINES = 250
 FORBIDDEN = ("this session", "latest session", "../" + "shared")  # spelled so that this file does not match itself
+# How the work went, which the README and docs/ do not tell (the changelog says what changed, by nature)
+NARRATION = ("not met", "no longer", "before the fix", "went from", "used to", "an earlier session", "busier machine")
 
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.MULTILINE | re.DOTALL)
 HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.MULTILINE)
 BACKTICKED = re.compile(r"^`([A-Za-z_][A-Za-z0-9_]*)`$")
+FIGURE = re.compile(
+    r"(?<![\w./-])(?<!PEFT )(?<!torch )(?<!transformers )(?<!trl )(\d+\.\d+|1/\d+(?:\.\d+)?)(?!\.\d|[a-wyzA-Z0-9_/])"
+)  # 0.471, 1/19.4; not a version
+RESULT_FILE = re.compile(r"`(benchmarks/results/[^`\s]+\.md)`")
 
 
 def page_id(path: Path) -> str:
@@ -184,6 +190,72 @@ def test_the_conformance_counts_are_the_tables():
     assert f"{counts['refused']} refused" in supported
 
 
+def test_the_readmes_headline_table_is_the_update_benchmarks_summary():
+    """Each figure of the front page's table is the result file's, rounded as printed."""
+    summary = (REPOSITORY / "benchmarks" / "results" / "cpu-2core" / "summary.md").read_text()
+    measured = {}
+    for line in summary.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 12 and cells[2] == "ok" and (cells[0], cells[1]) not in (("longstraw-detach", "on"),):
+            measured[cells[0]] = {"peak": cells[3], "time": cells[4], "norm": cells[9], "ratios": cells[10:12]}
+    modes = {
+        "stock batched": "stock-batched",
+        "stock serialized": "stock-serialized",
+        "Prefix Grouper": "prefix-grouper",
+        "naive capture-and-replay": "reference",
+        "LongStraw detach": "longstraw-detach",
+        "LongStraw exact": "longstraw-exact",
+    }
+    rows = [
+        line for line in README.read_text().splitlines() if re.match(r"^\| \**(stock|Prefix|naive|LongStraw)", line)
+    ]
+    assert len(rows) == len(modes), rows
+    for row in rows:
+        label, peak, time, ratios, norm = (cell.strip().strip("*") for cell in row.strip().strip("|").split("|"))
+        mode = measured[next(key for name, key in modes.items() if label.startswith(name))]
+
+        def printed_as(figure: str, value: str) -> bool:
+            decimals = len(figure.partition(".")[2])
+            return f"{float(value):.{decimals}f}" == figure
+
+        assert printed_as(peak, mode["peak"]) and printed_as(time, mode["time"]) and printed_as(norm, mode["norm"]), (
+            row
+        )
+        if ratios != "1, 1":
+            for figure, value in zip(re.findall(r"[\d.]+(?=x)", ratios), mode["ratios"], strict=True):
+                assert printed_as(figure, value), (row, figure, value)
+
+
+def quotes(figure: str, figures: set[str]) -> bool:
+    """`figure` is one of `figures` as printed or rounded (94.5 quotes 94.51; it does not quote 194.5 or 94.56)."""
+    prefix, _, number = figure.rpartition("/")
+    decimals = len(number.partition(".")[2])
+    return any(
+        other.rpartition("/")[0] == prefix and f"{float(other.rpartition('/')[2]):.{decimals}f}" == number
+        for other in figures
+    )
+
+
+@pytest.mark.parametrize(
+    "page", [README, *(p for p in sorted(DOCS.glob("*.md")) if p.name != "simulation-results.md")], ids=page_id
+)
+def test_figures_beside_a_result_file_are_that_files(page):
+    """A paragraph that names a result file under benchmarks/results/ quotes it: each decimal figure in the paragraph
+    (0.471, 1/19.4) is in that file, or printed in a code block of the same page. One source for each figure."""
+    text = page.read_text()
+    printed = " ".join(block.group(0) for block in FENCE.finditer(text))
+    stale = []
+    for paragraph in re.split(r"\n\s*\n|\n(?=\s*(?:-|\d+\.) )", prose(text)):  # paragraphs and list items
+        files = [page.parent / target.split("#")[0] for target in LINK.findall(paragraph)]
+        files += [REPOSITORY / name for name in RESULT_FILE.findall(paragraph)]
+        files = [path for path in files if "benchmarks/results/" in path.as_posix() and path.suffix == ".md"]
+        if files:
+            source = printed + " ".join(path.read_text() for path in files if path.exists())
+            quoted = set(FIGURE.findall(source))
+            stale += [(figure, paragraph[:60]) for figure in FIGURE.findall(paragraph) if not quotes(figure, quoted)]
+    assert not stale, f"{page_id(page)}: figures not in the result file their paragraph names: {stale}"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Links and wording
 # ---------------------------------------------------------------------------------------------------------------------
@@ -210,8 +282,9 @@ def test_anchors_point_at_existing_headings(page):
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
 def test_pages_do_not_narrate_how_they_were_written(page):
-    text = page.read_text().lower()
+    text = " ".join(page.read_text().lower().split())
     found = [phrase for phrase in FORBIDDEN if phrase in text]
+    found += [phrase for phrase in NARRATION if phrase in text and page.name != "CHANGELOG.md"]
     assert not found, f"{page_id(page)} contains {found}: say what the software does and what was measured"
 
 
