@@ -738,8 +738,8 @@ def summary(data: dict, args) -> str:
             "",
             (
                 "reference = one no-grad prompt forward into HF's DynamicCache (SDPA) + G replays (deep-copied cache, "
-                "forward + backward each), measured in its own process (mode `reference`; the issue's 'naive "
-                "capture-and-replay on HF's own cache')."
+                "forward + backward each), measured in its own process (mode `reference`: the naive "
+                "capture-and-replay on HF's own cache)."
             ),
             "",
             (
@@ -758,7 +758,7 @@ def summary(data: dict, args) -> str:
         if base:
             lines.append(
                 f"- reference vs stock-serialized: peak {ref['peak_bytes'] / base['peak_bytes']:.3f}x, "
-                f"time {ref['time_s'] / base['time_s']:.3f}x (issue's anchor: 0.15x, 0.04x)"
+                f"time {ref['time_s'] / base['time_s']:.3f}x"
             )
         lines.append("")
 

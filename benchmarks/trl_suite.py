@@ -379,7 +379,7 @@ def write_table(longstraw: dict, stock: dict, checkout: Path, output: Path, stoc
         "```",
         "",
         (
-            f"`tests/test_grpo_trainer.py` of TRL at commit {revision or '(unknown)'}, on this machine's CPU, against "
+            f"`tests/test_grpo_trainer.py` of TRL at commit {revision or '(unknown)'}, on CPU, against "
             f"trl {_version('trl')} and transformers {_version('transformers')}: {len(longstraw)} tests. With "
             f"`LongStrawGRPOTrainer` substituted: {len(passing)} pass, {counts['failure']} fail, {counts['skipped']} "
             f"are skipped (TRL's own markers: liger-kernel, vLLM, an accelerator or `kernels` absent; the same on "

@@ -257,7 +257,10 @@ def update_longstraw(trainer, inputs, device):
 
 
 def update_reference(trainer, inputs, device):
-    """Naive capture-and-replay on HF's DynamicCache (the issue's anchor): no-grad prompt forward, G replays."""
+    """Naive capture-and-replay on HF's DynamicCache: no-grad prompt forward, G replays.
+
+    The reference that detach mode's time and grad norm are compared with.
+    """
     import torch
     from transformers import DynamicCache
 
