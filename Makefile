@@ -20,10 +20,14 @@ demo: $(STAMP)
 	WANDB_MODE=offline OMP_NUM_THREADS=2 $(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --cpu \
 		--mixed_precision no --dynamo_backend no recipes/grpo_longstraw.py --config $(DEMO_CONFIG)
 
+# The suite on TEST_WORKERS processes of one thread each (pytest-xdist), a test module per worker at a time, so that a
+# module's fixtures run once; tests/conftest.py deals the longest modules first.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	WANDB_MODE=offline $(PYTHON) -m pytest
+	WANDB_MODE=offline OMP_NUM_THREADS=1 $(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) outputs wandb .pytest_cache

@@ -3,8 +3,11 @@
 - `ranks_command` / `run_ranks`: a worker script on gloo ranks launched as a user launches it (`accelerate launch
   --multi_gpu ...`, or `torchrun`), optionally beside one plain process running the single-process reference. For
   workers that go through the Trainer and Accelerate's own set-up.
-- `fork_ranks`: `fn(rank, *args)` in forked processes, which inherit this process's imports (transformers and TRL,
-  about 15 s that a spawn would redo in each rank). For tests that drive the engine on a process group of their own.
+- `fork_ranks`: `fn(rank, *args)` in processes forked from a server that imported the library once
+  (multiprocessing's forkserver): a rank starts in well under a second instead of the ~10 s of imports a spawn redoes,
+  and it is not forked from the test process itself, which may run threads (pytest-xdist's workers run one beside the
+  tests; a plain fork copies whatever lock such a thread holds, and the rank can hang on it). For tests that drive
+  the engine on a process group of their own.
 """
 
 from __future__ import annotations
@@ -15,9 +18,11 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
+import torch
 import torch.multiprocessing as mp
 
 BINARIES = os.path.dirname(sys.executable)
+FORKSERVER_PRELOAD = ["tests.conftest"]  # torch, transformers, TRL and the library: what every rank imports
 
 
 def free_port() -> int:
@@ -90,7 +95,20 @@ def run_ranks(
     return outputs[0][0]
 
 
-def fork_ranks(fn: Callable, args: tuple, processes: int = 2, join: bool = True, start_method: str = "fork"):
-    """`fn(rank, *args)` on `processes` processes (`torch.multiprocessing.start_processes`); with `join=False` the
-    caller waits for them through the returned context. `start_method="spawn"` where fork is not allowed (CUDA)."""
-    return mp.start_processes(fn, args=args, nprocs=processes, join=join, start_method=start_method)
+def fork_ranks(fn: Callable, args: tuple, processes: int = 2, join: bool = True, start_method: str = "forkserver"):
+    """`fn(rank, *args)` on `processes` processes (`torch.multiprocessing.start_processes`), each seeing this process's
+    environment as it is now and running one thread (2 cores here); with `join=False` the caller waits for them
+    through the returned context. `fn` and `args` are pickled: a function at a module's top level, plain values.
+    `start_method="spawn"` where a fresh interpreter is needed (CUDA)."""
+    if start_method == "forkserver":
+        mp.set_forkserver_preload(FORKSERVER_PRELOAD)  # read once, when the first call starts the server
+    return mp.start_processes(
+        _in_environment, args=(fn, dict(os.environ), args), nprocs=processes, join=join, start_method=start_method
+    )
+
+
+def _in_environment(rank: int, fn: Callable, environment: dict[str, str], args: tuple):
+    os.environ.clear()
+    os.environ.update(environment)
+    torch.set_num_threads(1)
+    fn(rank, *args)

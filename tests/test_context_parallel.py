@@ -40,10 +40,8 @@ WORLD_SIZE = 2
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    """Both ranks' results, from one spawn for every family and mode (the spawn's imports dominate the time)."""
+    """Both ranks' results, from one launch for every family and mode."""
     out = tmp_path_factory.mktemp("cp")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    # fork: the ranks inherit this process's imports (transformers, TRL), which a spawn would redo in each (~15 s)
     args = (WORLD_SIZE, str(out / "init"), CASES, str(out))
     fork_ranks(run, args, WORLD_SIZE)
     return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
@@ -403,7 +401,6 @@ MANY_RANK_CASES = {
 def test_more_context_parallel_ranks_score_replay_and_back_propagate_as_one_process(tmp_path, world):
     from .context_parallel_worker import run_on_device
 
-    os.environ["OMP_NUM_THREADS"] = "1"
     cases = MANY_RANK_CASES[world]
     args = (world, str(tmp_path / "init"), cases, [], str(tmp_path), "cpu")
     fork_ranks(run_on_device, args, world)

@@ -34,7 +34,6 @@ CPU_ALLOCATOR_FAILURE = "[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator
 def launch(tmp_path, world_size, phase, fault, faulty_rank):
     """Fork the ranks; wait for the survivors (every rank but a stalled one) up to their bound; kill what is left.
     Each rank's recorded outcome, the fault's time, and the exit codes."""
-    os.environ["OMP_NUM_THREADS"] = "1"
     args = (world_size, str(tmp_path / "init"), str(tmp_path), phase, fault, faulty_rank, TIMEOUT_S)
     context = fork_ranks(run, args, world_size, join=False)
     survivors = [rank for rank in range(world_size) if not (fault == "stall" and rank == faulty_rank)]

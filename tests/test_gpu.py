@@ -156,11 +156,9 @@ CONTEXT_PARALLEL_CASES = [("qwen3", "exact"), ("qwen3_5", "detach"), ("glm_moe_d
 
 
 def test_context_parallel_ranks_on_cuda_give_the_single_process_results(tmp_path):
-    import os
 
     from .context_parallel_worker import run_on_device
 
-    os.environ["OMP_NUM_THREADS"] = "1"
     args = (2, str(tmp_path / "init"), CONTEXT_PARALLEL_CASES, ["glm_moe_dsa"], str(tmp_path))
     fork_ranks(run_on_device, args, 2, start_method="spawn")  # CUDA forbids fork
     ranks = [torch.load(tmp_path / f"cuda-rank{rank}.pt") for rank in range(2)]

@@ -226,7 +226,7 @@ def test_decoding_from_the_captured_sum_gives_the_full_forwards_greedy_tokens():
 
 
 def sharded_against_one_process(rank, world_size, init_file, out_dir):
-    torch.set_num_threads(1)
+    register_state_kind(RunningSumState)  # a rank is a fresh process: the fixture registered it in the test's only
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         cp = ContextParallelGroup.of()
@@ -254,7 +254,6 @@ def sharded_against_one_process(rank, world_size, init_file, out_dir):
 
 
 def test_two_rank_context_parallelism_gives_the_single_process_scores_gradients_and_tokens(tmp_path):
-    os.environ["OMP_NUM_THREADS"] = "1"
     args = (2, str(tmp_path / "init"), str(tmp_path))
     fork_ranks(sharded_against_one_process, args, 2)
     for rank in range(2):
