@@ -21,6 +21,7 @@ from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
 
 from .conftest import (
     GROUP_SIZE,
+    TINY_PAGED_CACHE,
     add_old_and_ref_logps,
     grads_of,
     make_trainer,
@@ -167,7 +168,11 @@ KNOBS = {
         "ref_model_mixup_alpha": 0.5,
     },
     # TRL's generation backend (with the model's own attention), LongStraw's scoring and update
-    "transformers-continuous-batching": {"use_transformers_continuous_batching": True, "max_steps": 2},
+    "transformers-continuous-batching": {
+        "use_transformers_continuous_batching": True,
+        "transformers_continuous_batching_config": TINY_PAGED_CACHE,
+        "max_steps": 2,
+    },
     # bnpo normalises by the micro-batch's token count: the split into micro-steps must be stock's
     "bnpo-group-spans-micro-steps": {
         "loss_type": "bnpo",

@@ -17,7 +17,7 @@ from trl_longstraw.rollout import (
 )
 from trl_longstraw.state.suffix import Suffix
 
-from .conftest import GROUP_SIZE, make_trainer
+from .conftest import GROUP_SIZE, TINY_PAGED_CACHE, make_trainer
 
 PAD, EOS = 0, 1
 
@@ -377,6 +377,7 @@ def test_trls_continuous_batching_generates_with_the_models_own_attention(family
         per_device_train_batch_size=GROUP_SIZE,
         max_steps=1,
         use_transformers_continuous_batching=True,
+        transformers_continuous_batching_config=TINY_PAGED_CACHE,
     )
     assert not trainer.rollout_from_prompt_state
     trainer.train()
