@@ -184,7 +184,7 @@ def render(results: list[dict]) -> str:
         "beside the formula plan (`trl-longstraw plan`) of the same settings, computed when this page was rendered.",
         "Peaks are the simulated rank's live bytes (the allocator's allocated bytes: fragmentation and the CUDA context",
         "are not modelled); times are roofline bounds per step on the named device, not measurements; `sim wall s` is",
-        "the simulation's own time on this project's 2-core machine.",
+        "the simulation's own time on a 2-core CPU host.",
         "",
         "| scenario | device x ranks | CP | shards | P | G | R | simulated peak GiB | plan GiB | plan / sim | roofline s"
         + " | comm GiB | sim wall s |",
