@@ -103,13 +103,14 @@ def step(prompt_gradient: str, context_parallel_size: int, family: str) -> dict:
     }
 
 
-def main(out: str, context_parallel_size: int, family: str) -> None:
-    results = {mode: step(mode, context_parallel_size, family) for mode in ("detach", "exact")}
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    torch.save(results, f"{out}/cp{context_parallel_size}-rank{rank}.pt")
+def main(out: str, context_parallel_size: int, families: list[str]) -> None:
+    for family in families:
+        results = {mode: step(mode, context_parallel_size, family) for mode in ("detach", "exact")}
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        torch.save(results, f"{out}/{family}-cp{context_parallel_size}-rank{rank}.pt")
     if dist.is_initialized():  # every group's gloo threads stopped before the interpreter tears down
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:])

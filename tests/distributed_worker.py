@@ -1,8 +1,10 @@
-"""Run under `accelerate launch --num_processes 2`: one LongStraw training step of data parallelism on gloo.
+"""Run under `accelerate launch --num_processes 2` with one or more cases (`detach`, `exact`, `gradient`, `reached`),
+one after the other in the same ranks: data parallelism on gloo.
 
-Each rank trains on its own groups; afterwards every rank must hold the same weights (gradients were averaged
-across ranks, as DDP would) and those weights must have moved. With `gradient`: each rank's exact-mode gradient on
-its own batch, averaged, against the mean of stock's gradients over both batches. Prints one JSON line per rank.
+`detach` / `exact`: one LongStraw training step in that mode; each rank trains on its own groups, and afterwards every
+rank must hold the same weights (gradients were averaged across ranks, as DDP would) and those weights must have
+moved. `gradient`: each rank's exact-mode gradient on its own batch, averaged, against the mean of stock's gradients
+over both batches. `reached`: a parameter only one rank's backward reaches. Prints one JSON line per rank and case.
 """
 
 import copy
@@ -22,6 +24,10 @@ from trl_longstraw.embedded import build_model, build_tokenizer
 
 def char_code_reward(completions, **kwargs):
     return [float(sum(map(ord, completion)) % 7) for completion in completions]
+
+
+def report(case: str, **values) -> None:
+    print("DP_REPORT " + json.dumps({"case": case, "rank": dist.get_rank(), **values}), flush=True)
 
 
 def main(prompt_gradient: str) -> None:
@@ -55,16 +61,10 @@ def main(prompt_gradient: str) -> None:
     weights = torch.nn.utils.parameters_to_vector(trainer.model.parameters()).detach()
     gathered = [torch.empty_like(weights) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, weights)
-    print(
-        "DP_REPORT "
-        + json.dumps(
-            {
-                "rank": dist.get_rank(),
-                "max_rank_difference": max((g - gathered[0]).abs().max().item() for g in gathered),
-                "moved": (weights - initial).abs().max().item(),
-            }
-        ),
-        flush=True,
+    report(
+        prompt_gradient,
+        max_rank_difference=max((g - gathered[0]).abs().max().item() for g in gathered),
+        moved=(weights - initial).abs().max().item(),
     )
 
 
@@ -95,12 +95,11 @@ def gradient_against_stock() -> None:
     mean = {name: sum(grads[name] for grads in wanted) / len(wanted) for name in wanted[0]}
     ours.replay_and_backward(ours.model, batches[dist.get_rank()])
     got = grads_of(ours.model)
-    report = {
-        "rank": dist.get_rank(),
-        "error_vs_stock_mean": max_relative_error(got, mean),
-        "error_vs_own_batch": max_relative_error(got, wanted[dist.get_rank()]),
-    }
-    print("DP_REPORT " + json.dumps(report), flush=True)
+    report(
+        "gradient",
+        error_vs_stock_mean=max_relative_error(got, mean),
+        error_vs_own_batch=max_relative_error(got, wanted[dist.get_rank()]),
+    )
 
 
 def reached_on_one_rank_only() -> None:
@@ -118,16 +117,19 @@ def reached_on_one_rank_only() -> None:
     reached = sorted(name for name, p in trainer.model.named_parameters() if any(p is q for q in trainer._reached))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, reached)
-    report = {
-        "rank": dist.get_rank(),
-        "same_reached": all(names == reached for names in everyone),
-        "mlp_reached": "model.layers.1.mlp.down_proj.weight" in reached,
-        "mlp_grad_norm": float(mlp.down_proj.weight.grad.norm()),
-    }
-    print("DP_REPORT " + json.dumps(report), flush=True)
+    report(
+        "reached",
+        same_reached=all(names == reached for names in everyone),
+        mlp_reached="model.layers.1.mlp.down_proj.weight" in reached,
+        mlp_grad_norm=float(mlp.down_proj.weight.grad.norm()),
+    )
 
 
 if __name__ == "__main__":
-    {"gradient": gradient_against_stock, "reached": reached_on_one_rank_only}.get(
-        sys.argv[1], lambda: main(sys.argv[1])
-    )()
+    for case in sys.argv[1:]:
+        if case == "gradient":
+            gradient_against_stock()
+        elif case == "reached":
+            reached_on_one_rank_only()
+        else:
+            main(case)

@@ -16,14 +16,24 @@ from .launch import run_ranks
 WORKER = os.path.join(os.path.dirname(__file__), "context_parallel_trainer_worker.py")
 
 
-@pytest.mark.slow
 # dense with tool calling (every rank runs the tools; the turns decode from the sharded state); MLA + DSA with
 # IndexShare + MoE; MoE with the load-balancing loss (its prompt sums add up across the ranks)
-@pytest.mark.parametrize("family", ["tool_calling", "glm_moe_dsa", "qwen3_moe"])
-def test_two_context_parallel_ranks_take_the_single_process_step(tmp_path, family):
-    run_ranks([WORKER, str(tmp_path), "2", family], alone=[WORKER, str(tmp_path), "1", family])
-    single = torch.load(tmp_path / "cp1-rank0.pt")
-    ranks = [torch.load(tmp_path / f"cp2-rank{rank}.pt") for rank in range(2)]
+FAMILIES = ["tool_calling", "glm_moe_dsa", "qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every family on 2 CP ranks and in one process, each set of processes running them all (one launch)."""
+    out = tmp_path_factory.mktemp("cp-trainer")
+    run_ranks([WORKER, str(out), "2", *FAMILIES], alone=[WORKER, str(out), "1", *FAMILIES])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_context_parallel_ranks_take_the_single_process_step(results, family):
+    single = torch.load(results / f"{family}-cp1-rank0.pt")
+    ranks = [torch.load(results / f"{family}-cp2-rank{rank}.pt") for rank in range(2)]
     for mode in ("detach", "exact"):
         want = single[mode]
         for got in ranks:
