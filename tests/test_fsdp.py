@@ -91,11 +91,25 @@ TORCHRUN_CASES = [
 ]
 
 
+# Run in the same 2 torchrun ranks for the tests further down: groups spanning ranks and an evaluation, against one
+# process and against 2 data-parallel ranks without FSDP2; the MoE load-balancing loss, against the same 2 ranks
+# without FSDP2 (TRL computes it over each rank's rows); TRL's tool loop
+MORE_TORCHRUN_CASES = [
+    "qwen3/ragged",
+    "qwen3/ragged_unsharded",
+    "qwen3_moe/load_balancing",
+    "qwen3_moe/load_balancing_unsharded",
+    "tool_calling/tools",
+]
+
+
 @pytest.fixture(scope="module")
 def torchrun_cases(tmp_path_factory):
-    """Every `TORCHRUN_CASES` case on 2 torchrun ranks and in one process, each set of processes running them all."""
+    """Every 2-rank torchrun case on 2 torchrun ranks, and each with a one-process reference in one process: each set
+    of processes runs them all, one after the other (the imports paid once)."""
     out = tmp_path_factory.mktemp("fsdp2-torchrun")
-    launch(out, [f"{family}/{route}" for family, route in TORCHRUN_CASES], "torchrun")
+    cases = [f"{family}/{route}" for family, route in TORCHRUN_CASES]
+    launch(out, cases + MORE_TORCHRUN_CASES, "torchrun", single=cases + ["qwen3/ragged", "tool_calling/tools"])
     return out
 
 
@@ -159,29 +173,29 @@ def test_four_fsdp2_ranks_in_two_context_parallel_groups_take_the_single_process
 
 
 @pytest.mark.slow
-def test_groups_across_ranks_one_token_prompts_and_evaluation_under_fsdp2_take_the_single_process_steps(tmp_path):
+def test_groups_across_ranks_one_token_prompts_and_evaluation_under_fsdp2_take_the_single_process_steps(
+    torchrun_cases,
+):
     """Groups of 4 over micro-steps of 3 rows per rank (a group spans micro-steps and ranks), one-token prompts in the
     data, and an evaluation after training: the single-process steps, and the eval metrics of 2 data-parallel ranks
     without FSDP2 (TRL's eval loss is a mean of per-batch losses over the ranks' batches: it depends on how the eval
     rows are dealt to ranks, not on the sharding)."""
-    launch(tmp_path, ["qwen3/ragged", "qwen3/ragged_unsharded"], "torchrun", single=["qwen3/ragged"])
-    single = torch.load(tmp_path / "qwen3-ragged-world1-rank0.pt")
-    unsharded = torch.load(tmp_path / "qwen3-ragged_unsharded-world2-rank0.pt")
+    single = torch.load(torchrun_cases / "qwen3-ragged-world1-rank0.pt")
+    unsharded = torch.load(torchrun_cases / "qwen3-ragged_unsharded-world2-rank0.pt")
     for rank in range(2):
-        sharded = torch.load(tmp_path / f"qwen3-ragged-world2-rank{rank}.pt")
+        sharded = torch.load(torchrun_cases / f"qwen3-ragged-world2-rank{rank}.pt")
         assert_takes_the_single_process_steps(single, sharded, shards=2)
         for mode in ("detach", "exact"):
             assert sharded[mode]["eval"] == pytest.approx(unsharded[mode]["eval"], rel=1e-5), mode
 
 
 @pytest.mark.slow
-def test_the_moe_load_balancing_loss_under_fsdp2_trains_as_on_unsharded_ranks(tmp_path):
+def test_the_moe_load_balancing_loss_under_fsdp2_trains_as_on_unsharded_ranks(torchrun_cases):
     """Qwen3-MoE with TRL's load-balancing loss (router_aux_loss_coef=0.5): TRL computes it over each rank's rows, so
     the reference is the same 2 data-parallel ranks without FSDP2, not one process."""
-    launch(tmp_path, ["qwen3_moe/load_balancing", "qwen3_moe/load_balancing_unsharded"], "torchrun", single=[])
     for rank in range(2):
-        unsharded = torch.load(tmp_path / f"qwen3_moe-load_balancing_unsharded-world2-rank{rank}.pt")
-        sharded = torch.load(tmp_path / f"qwen3_moe-load_balancing-world2-rank{rank}.pt")
+        unsharded = torch.load(torchrun_cases / f"qwen3_moe-load_balancing_unsharded-world2-rank{rank}.pt")
+        sharded = torch.load(torchrun_cases / f"qwen3_moe-load_balancing-world2-rank{rank}.pt")
         assert_takes_the_single_process_steps(unsharded, sharded, shards=2)
         for mode in ("detach", "exact"):
             assert None not in unsharded[mode]["aux_loss"]  # the loss is on
@@ -189,12 +203,11 @@ def test_the_moe_load_balancing_loss_under_fsdp2_trains_as_on_unsharded_ranks(tm
 
 
 @pytest.mark.slow
-def test_tool_calling_under_fsdp2_decodes_the_single_process_turns(tmp_path):
+def test_tool_calling_under_fsdp2_decodes_the_single_process_turns(torchrun_cases):
     """Greedy rollouts of the tool-calling model through TRL's tool loop: the ranks' rows may take different numbers
     of turns, and the generation ends for every rank after the loop (the trainer's `_tool_call_loop`)."""
-    launch(tmp_path, ["tool_calling/tools"], "torchrun")
-    single = torch.load(tmp_path / "tool_calling-tools-world1-rank0.pt")["rollout"]
-    sharded = torch.load(tmp_path / "tool_calling-tools-world2-rank0.pt")["rollout"]
+    single = torch.load(torchrun_cases / "tool_calling-tools-world1-rank0.pt")["rollout"]
+    sharded = torch.load(torchrun_cases / "tool_calling-tools-world2-rank0.pt")["rollout"]
     assert single["tool_calls"] > 0
     assert sharded["tool_calls"] == pytest.approx(single["tool_calls"])
     assert sorted(sharded["completions"]) == sorted(single["completions"])
