@@ -109,6 +109,12 @@ if __name__ == "__main__":
     print(support_table())
 
 
+def uses_rope(config: PretrainedConfig) -> bool:
+    """Whether the model rotates its queries and keys (`rope_parameters`), which YaRN's scaling extends; a model
+    without them numbers its positions by learned embeddings (OPT, GPT-2) or none."""
+    return bool(getattr(config.get_text_config(), "rope_parameters", None))
+
+
 def yarn_original(config: PretrainedConfig) -> tuple[int, dict]:
     """The context YaRN scales a model from (`max_position_embeddings`, or the original of a model already scaled by
     YaRN) and the model's own `rope_parameters` (none for per-layer-type ones, which are not extended here)."""
@@ -131,6 +137,11 @@ def yarn_extension(config: PretrainedConfig, positions: int) -> tuple[float, dic
 def with_yarn(config: PretrainedConfig, factor: float) -> PretrainedConfig:
     """`config` with YaRN's RoPE scaling by `factor` over its original context (what `--rope-scaling yarn:F` plans,
     and what `model_init_kwargs` of `rope_parameters` and `max_position_embeddings` load)."""
+    if not uses_rope(config):
+        raise ValueError(
+            f"model_type={config.model_type!r} has no RoPE (its positions are learned embeddings): YaRN's scaling does "
+            "not apply to it."
+        )
     original, own = yarn_original(config)
     text = config.get_text_config()
     text.rope_parameters = {

@@ -197,13 +197,22 @@ def check_plan_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error(f"--device-spec {args.device_spec!r}: choose one of {', '.join(DEVICE_SPECS)}")
 
 
+def unsupported(name: str, error: Exception) -> str:
+    """One line for a model the trainer would refuse, without the registry's note for the library's developers."""
+    reason = str(error).split(" Registered kinds:")[0]
+    return (
+        f"trl-longstraw plan: {name} is not a model LongStraw trains: {reason} The models it trains: "
+        "docs/supported-models.md."
+    )
+
+
 def run_plan(args: argparse.Namespace) -> int:
     # bitsandbytes warns at import, on a CPU with AVX512-BF16, that it could not fetch an optional kernel from the Hub:
     # nothing the plan uses
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     import yaml
 
-    from .architectures import with_yarn
+    from .architectures import check_supported, with_yarn
     from .plan import (
         ModelSourceError,
         fitting_recipes,
@@ -215,6 +224,9 @@ def run_plan(args: argparse.Namespace) -> int:
     from .state import UnsupportedModelError
     from .validation import check_context
 
+    logging.getLogger("transformers").setLevel(
+        logging.ERROR
+    )  # its notes on building skeletons: the plan says what matters
     weight_shards = args.weight_shards
     try:
         if args.config is not None:
@@ -238,7 +250,12 @@ def run_plan(args: argparse.Namespace) -> int:
             setup, context_parallel = setup_from_flags(args), args.context_parallel_size
         if args.rope_scaling is not None:
             with_yarn(config, float(args.rope_scaling.partition(":")[2]))
-        check_context(config, setup.prompt_tokens, setup.completion_tokens)  # the trainer's check (validation.py)
+        # the trainer's checks (validation.py), in its order: the model, then the positions the run spans
+        check_supported(config, trust_remote_code=args.trust_remote_code)
+        check_context(config, setup.prompt_tokens, setup.completion_tokens)
+    except UnsupportedModelError as error:
+        print(unsupported(name, error), file=sys.stderr)
+        return 2
     except (ModelSourceError, ValueError) as error:  # ValueError: a recipe setting LongStrawGRPOConfig refuses
         print(f"trl-longstraw plan: {error}", file=sys.stderr)
         return 2
@@ -257,12 +274,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 weight_shards=weight_shards,
             )
     except UnsupportedModelError as error:
-        reason = str(error).split(" Registered kinds:")[0]
-        print(
-            f"trl-longstraw plan: {name} is not a model LongStraw trains: {reason} The models it trains: "
-            "docs/supported-models.md.",
-            file=sys.stderr,
-        )
+        print(unsupported(name, error), file=sys.stderr)
         return 2
     simulated = None
     if args.simulate:

@@ -11,7 +11,7 @@ from accelerate.utils import is_peft_model
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from .architectures import check_supported, longrope_switch_length, yarn_extension
+from .architectures import check_supported, longrope_switch_length, uses_rope, yarn_extension
 from .config import FP16_REFUSED, LongStrawGRPOConfig, context_overrides, remote_code_trusted
 from .fsdp import check_weights_loaded
 
@@ -112,6 +112,11 @@ def check_context(
     total = prompt_tokens + generated if total is None else total
     spans = f"A prompt of {prompt_tokens} tokens plus {generated_field}={generated} spans {total}"
     max_positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if max_positions is not None and total > max_positions and not uses_rope(config):
+        raise ValueError(
+            f"{spans} positions, more than the model's max_position_embeddings={max_positions}: its positions are "
+            f"learned embeddings, which no RoPE scaling extends. Truncate the prompts or lower {generated_field}."
+        )
     if max_positions is not None and total > max_positions:
         factor, parameters = yarn_extension(config, total)
         raise ValueError(
