@@ -5,7 +5,9 @@ weights load."""
 
 import dataclasses
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -350,6 +352,21 @@ def test_a_model_longstraw_does_not_train_exits_2_naming_it(tmp_path, capsys):
     error = capsys.readouterr().err
     assert "is not a model LongStraw trains: Layer 0 (BloomBlock" in error and "docs/supported-models.md" in error
     assert len(error.splitlines()) == 1
+
+
+def test_a_reader_that_stops_early_gets_no_traceback():
+    """`trl-longstraw plan ... | head`: the plan's output meets a closed pipe; the command ends as Unix tools do."""
+    read, write = os.pipe()
+    os.close(read)
+    done = subprocess.run(
+        [sys.executable, "-m", "trl_longstraw.cli", "plan", "qwen3_8b", "--prompt-length", "4096"],
+        stdout=write,
+        stderr=subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    os.close(write)
+    assert done.returncode == 128 + signal.SIGPIPE and done.stderr == ""
 
 
 def test_a_model_longstraw_does_not_train_is_named_before_its_positions(tmp_path, capsys):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 import warnings
 
@@ -361,7 +363,13 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_parser(subparsers)
     args = parser.parse_args(argv)
     check_plan_arguments(plan, args)
-    return run_plan(args)
+    try:
+        status = run_plan(args)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader stopped early (`| head`): no traceback, and the shell's status for it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would raise again
+        return 128 + signal.SIGPIPE
+    return status
 
 
 if __name__ == "__main__":
