@@ -369,45 +369,34 @@ def test_a_reader_that_stops_early_gets_no_traceback():
     assert done.returncode == 128 + signal.SIGPIPE and done.stderr == ""
 
 
+def small_config(tmp_path, model_type: str, **fields) -> str:
+    """A config file of 2 layers of width 64 with 512 positions (fields add or override)."""
+    path = tmp_path / f"{model_type}.json"
+    fields = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 512,
+        **fields,
+    }
+    path.write_text(json.dumps({"model_type": model_type, **fields}))
+    return str(path)
+
+
 def test_a_model_longstraw_does_not_train_is_named_before_its_positions(tmp_path, capsys):
     """The trainer's order: the model is refused before the run's length is measured against its positions."""
-    config = tmp_path / "bert.json"
-    config.write_text(
-        json.dumps(
-            {
-                "model_type": "bert",
-                "hidden_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "max_position_embeddings": 512,
-            }
-        )
-    )
-    assert cli.main(["plan", str(config), "--prompt-length", "4096"]) == 2
+    assert cli.main(["plan", small_config(tmp_path, "bert"), "--prompt-length", "4096"]) == 2
     error = capsys.readouterr().err
     assert "is not a model LongStraw trains: Layer 0 (BertLayer" in error and len(error.splitlines()) == 1
 
 
 def test_a_model_of_learned_positions_is_not_offered_yarn(tmp_path, capsys):
     """OPT numbers its positions by learned embeddings: past them, no RoPE scaling helps, and --rope-scaling says so."""
-    config = tmp_path / "opt.json"
-    config.write_text(
-        json.dumps(
-            {
-                "model_type": "opt",
-                "hidden_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "ffn_dim": 128,
-                "word_embed_proj_dim": 64,
-                "max_position_embeddings": 512,
-            }
-        )
-    )
-    assert cli.main(["plan", str(config), "--prompt-length", "1024"]) == 2
+    config = small_config(tmp_path, "opt", ffn_dim=128, word_embed_proj_dim=64)
+    assert cli.main(["plan", config, "--prompt-length", "1024"]) == 2
     error = capsys.readouterr().err
     assert "max_position_embeddings=512: its positions are learned embeddings" in error and "YaRN" not in error
-    assert cli.main(["plan", str(config), "--prompt-length", "1024", "--rope-scaling", "yarn:4"]) == 2
+    assert cli.main(["plan", config, "--prompt-length", "1024", "--rope-scaling", "yarn:4"]) == 2
     assert "model_type='opt' has no RoPE" in capsys.readouterr().err
 
 
