@@ -186,6 +186,16 @@ def test_shard_weights_is_suggested_for_a_full_fine_tune_that_does_not_fit_one_d
     assert "weights sharded over 8 ranks (FSDP2)" in capsys.readouterr().out
 
 
+def test_a_recipe_that_does_not_fit_names_the_other_recipes_of_its_model_that_do(capsys):
+    """GLM-5 on one process split by `device_map` (glm5_lora.yaml) at 2M positions on 64 x 141 GB: its FSDP2 + CP8
+    recipe fits as it is."""
+    args = ["plan", "--config", "configs/glm5_lora.yaml", "--prompt-length", "2097152", "--gpu-memory", "141"]
+    assert cli.main([*args, "--gpus", "64"]) == 1
+    out = capsys.readouterr().out
+    recipes = out.split("Other recipes of configs/ for this model that fit, each with its own settings:\n")[1]
+    assert [line.split(":")[0].strip() for line in recipes.splitlines()] == ["configs/glm5_lora_fsdp2_cp8.yaml"]
+
+
 def test_a_recipe_that_shards_its_weights_is_planned_over_its_ranks(capsys):
     args = ["plan", "--config", "configs/qwen3_8b_full_fsdp2.yaml", "--prompt-length", "131072", "--gpu-memory", "80"]
     assert cli.main(args) == 2

@@ -307,14 +307,15 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         print(format_plan(plan))
-        if plan.fits is False and args.model is not None and simulated is None:
+        if plan.fits is False and simulated is None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # as for the plan above
                 recipes = fitting_recipes(
-                    args.model, args.prompt_length, budget, args.gpus, args.per_device_train_batch_size
+                    name, args.prompt_length, budget, args.gpus, args.per_device_train_batch_size, besides=args.config
                 )
             if recipes:
-                print("Recipes of configs/ for this model that fit, each with its own settings:")
+                other = "Other recipes" if args.config is not None else "Recipes"
+                print(f"{other} of configs/ for this model that fit, each with its own settings:")
             for path, fitting in recipes:
                 machine = f" --gpus {args.gpus}" if args.gpus is not None else ""
                 print(

@@ -617,17 +617,25 @@ def model_names(source: str) -> set[str]:
 
 
 def fitting_recipes(
-    source: str, prompt_tokens: int, budget: int, devices: int | None, per_device_train_batch_size: int
+    source: str,
+    prompt_tokens: int,
+    budget: int,
+    devices: int | None,
+    per_device_train_batch_size: int,
+    besides: str | None = None,
 ) -> list[tuple[Path, Plan]]:
     """The recipes of `configs/` for the model `source` names that fit `budget` bytes per device at `prompt_tokens`,
     each with its own settings (`recipe_plan_inputs`), its weights sharded over `devices` where it shards them (skipped
-    without `devices`), and its context checked as the trainer checks it. None outside a source checkout."""
+    without `devices`), and its context checked as the trainer checks it; `besides` (a recipe's path) left out. None
+    outside a source checkout."""
     import yaml
 
     from .validation import check_context
 
     names, fitting = model_names(source), []
     for path in sorted(RECIPES.glob("*.yaml")):
+        if besides is not None and path.resolve() == Path(besides).resolve():
+            continue
         if (yaml.safe_load(path.read_text()) or {}).get("model_name_or_path") not in names:
             continue
         try:
