@@ -29,6 +29,7 @@ import contextlib
 import functools
 import os
 import platform
+import shlex
 import statistics
 import sys
 import threading
@@ -247,7 +248,8 @@ def main() -> None:
         "# Telemetry and guard overhead (CPU, measured)",
         "",
         "```bash",
-        "OMP_NUM_THREADS=1 .venv/bin/python benchmarks/overhead.py --out benchmarks/results/overhead.md",
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} .venv/bin/python benchmarks/overhead.py "
+        + shlex.join(sys.argv[1:]),  # the command as run
         "```",
         "",
         (
