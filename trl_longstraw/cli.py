@@ -226,9 +226,8 @@ def run_plan(args: argparse.Namespace) -> int:
     from .state import UnsupportedModelError
     from .validation import check_context
 
-    logging.getLogger("transformers").setLevel(
-        logging.ERROR
-    )  # its notes on building skeletons: the plan says what matters
+    # transformers' notes while the skeletons are built (a BERT's `is_decoder`): the plan says what matters
+    logging.getLogger("transformers").setLevel(logging.ERROR)
     weight_shards = args.weight_shards
     try:
         if args.config is not None:
