@@ -285,7 +285,6 @@ ROLLOUT_FAMILIES = ("qwen3", "qwen3_5", "glm_moe_dsa", "gpt_oss")
 
 
 def run(rank, world_size, init_file, cases, out_dir):
-    torch.set_num_threads(1)
     # a rank left waiting for a peer (a hand-off nobody receives) fails the run instead of hanging it
     timeout = timedelta(seconds=120)
     dist.init_process_group(
@@ -308,7 +307,6 @@ def run(rank, world_size, init_file, cases, out_dir):
 def run_on_device(rank, world_size, init_file, cases, rollout_families, out_dir, device="cuda"):
     """The same checks with the models on one device shared by the ranks (CUDA: a one-GPU machine) and gloo: the
     collectives' tensors cross between the device and the host (`ContextParallelGroup`), fp32 without TF32."""
-    torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(0)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -328,7 +326,6 @@ def run_data_and_context_parallel(rank, world_size, init_file, mode, out_dir):
     from trl_longstraw.context_parallel import build_context_parallel_group
     from trl_longstraw.distributed import average_gradients
 
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         context = build_context_parallel_group(2)

@@ -64,7 +64,6 @@ def update_and_roll_out(cp) -> None:
 
 
 def run(rank, world_size, init_file, out_dir, phase, fault, faulty_rank, timeout_s):
-    torch.set_num_threads(1)
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     cp = build_context_parallel_group(world_size, timeout)

@@ -99,7 +99,6 @@ RANK_CASES = [(family, mode, layout) for family in sorted(FAMILIES) for mode in 
 
 
 def _real_rank(rank: int, world: int, init: str, out: str) -> None:
-    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         reports = {}
