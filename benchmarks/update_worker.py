@@ -180,6 +180,7 @@ def build_trainer(args, model, tokenizer, output_dir):
             prompt_gradient=args.mode.split("-", 1)[1],
             prefill_chunk_size=args.prefill_chunk_size,
             attention_chunk_size=args.attention_chunk_size,
+            replay_segment_size=args.replay_segment_size,
         )
         config_class, trainer_class = LongStrawGRPOConfig, LongStrawGRPOTrainer
     elif args.mode == "prefix-grouper":
@@ -317,6 +318,12 @@ def parse_args(argv=None):
     parser.add_argument("--gradient-checkpointing", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--prefill-chunk-size", type=int, default=2048)
     parser.add_argument("--attention-chunk-size", type=int, default=4096)
+    parser.add_argument(
+        "--replay-segment-size",
+        type=int,
+        default=None,
+        help="LongStraw modes: replay (and score) members longer than this in segments (default: whole)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--dtype",
@@ -350,6 +357,7 @@ def run(args) -> dict:
         "P": P,
         "G": G,
         "R": R,
+        "replay_segment_size": args.replay_segment_size,
         "gradient_checkpointing": args.gc,
         "beta": args.beta,
         "loss_type": args.loss_type,

@@ -225,6 +225,7 @@ def train(out: str, family: str, route: str, prompt_gradient: str, rollout: bool
         prompt_gradient=prompt_gradient,
         prefill_chunk_size=8,
         attention_chunk_size=8,
+        replay_segment_size=2 if route == "segments" else None,
         generation_kwargs={"top_k": 1} if rollout else None,
         # an FSDP2 accelerate config's launch (ACCELERATE_USE_FSDP) sets it through the config instead
         shard_weights=world > 1

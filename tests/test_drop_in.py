@@ -173,6 +173,9 @@ KNOBS = {
         "transformers_continuous_batching_config": TINY_PAGED_CACHE,
         "max_steps": 2,
     },
+    # completions of up to 6 tokens in segments of 2: every member of two tokens or more scored (old, reference,
+    # second iteration) and replayed from its own earlier segments' state
+    "replay-in-segments": {"replay_segment_size": 2, "beta": 0.04, "num_iterations": 2},
     # bnpo normalises by the micro-batch's token count: the split into micro-steps must be stock's
     "bnpo-group-spans-micro-steps": {
         "loss_type": "bnpo",
@@ -236,15 +239,20 @@ class Adder:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["tools", "environment_factory"])
-def test_tool_calling_trains_like_stock(source, tool_calling, tmp_path):
+@pytest.mark.parametrize(
+    "source, replay_segment_size", [("tools", None), ("environment_factory", None), ("tools", 16)]
+)
+def test_tool_calling_trains_like_stock(source, replay_segment_size, tool_calling, tmp_path):
     """GRPOTrainer's tool loop: turns after a tool result decode from the prompt's state, and the tool results are
-    scored and masked as stock scores and masks them."""
+    scored and masked as stock scores and masks them; in segments of 16 tokens, boundaries fall inside tool results
+    (masked tokens, run through the model as stock runs them) and at turn boundaries."""
     from trl_longstraw.embedded import add
 
     saved, tokenizer, dataset = tool_calling
     trainer_kwargs = {"tools": [add]} if source == "tools" else {"environment_factory": Adder}
     args = {"max_completion_length": 96, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 3}
+    if replay_segment_size is not None:
+        args["replay_segment_size"] = replay_segment_size
     stock = train_run(GRPOTrainer, saved, tokenizer, dataset, tmp_path, trainer_kwargs=trainer_kwargs, **args)
     ours = train_run(LongStrawGRPOTrainer, saved, tokenizer, dataset, tmp_path, trainer_kwargs=trainer_kwargs, **args)
     assert_same_run(stock, ours)

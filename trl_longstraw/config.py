@@ -104,6 +104,13 @@ class LongStrawGRPOConfig(GRPOConfig):
             0.269 GiB and detach's from 0.091 to 0.081 GiB at the same step time.
         attention_chunk_size (`int`, *optional*, defaults to `4096`):
             Prompt keys per step of the prefix attention.
+        replay_segment_size (`int` or `None`, *optional*, defaults to `None`):
+            A member whose replay (its completion plus the last prompt token) is longer is scored and replayed in
+            segments of this many tokens: the earlier segments' state captured without autograd and read by the later
+            ones, the gradient they send into it carried back exactly, segment by segment in reverse. The replay's
+            peak is then the prompt state, the member's own state (and its gradient) and one segment's graph, instead
+            of the whole completion's graph. Same gradients as a whole replay, in both prompt-gradient modes (see
+            docs/long-completions.md). `None`: every member is replayed whole.
         prompt_state_device (`str`, *optional*, defaults to `"auto"`):
             Where the prompt state lives: `"auto"` (where each layer computes: the model's device, or each layer's own
             when `device_map` splits the model over GPUs), `"cpu"`, or any available torch device.
@@ -183,6 +190,14 @@ class LongStrawGRPOConfig(GRPOConfig):
         metadata={
             "help": "Prompt keys per step of the prefix attention (forward and recomputing backward). Bounds its "
             "score matrix to [query rows, attention_chunk_size] per kv head."
+        },
+    )
+    replay_segment_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Replay (and score) a member longer than this many tokens in segments: the earlier segments' "
+            "state captured without autograd and read by the later ones, their gradient carried back exactly. Bounds "
+            "the replay's graph to one segment. None: every member whole."
         },
     )
     prompt_state_device: str = field(
@@ -337,6 +352,22 @@ class LongStrawGRPOConfig(GRPOConfig):
         the process's later configs know it was taken). Creating a config changes no environment."""
         return dict(self._launch_environment)
 
+    def _validate_replay_segment_size(self) -> None:
+        size = self.replay_segment_size
+        if size is None:
+            return
+        if size < 2:
+            raise ValueError(
+                f"replay_segment_size={size} must be at least 2 (a segment feeds linear-attention layers at least two "
+                "tokens), e.g. 8192, or None to replay every member whole."
+            )
+        if self.context_parallel_size > 1:
+            raise ValueError(
+                f"replay_segment_size={size} with context_parallel_size={self.context_parallel_size}: segmented "
+                "replay continues a prompt state held on one process, and under context parallelism the prompt's "
+                "state is spread over the CP group. Set replay_segment_size=None, or context_parallel_size=1."
+            )
+
     def _validate_types(self) -> None:
         """Each LongStraw field's type, before anything is derived from it (a YAML `yes` or a string `"true"` given
         from Python would otherwise pass as truthy)."""
@@ -348,7 +379,7 @@ class LongStrawGRPOConfig(GRPOConfig):
                 unset = " or None (unset)" if name in optional_flags else ""
                 raise ValueError(f"{name}={value!r} must be True or False{unset}.")
         integers = ("prefill_chunk_size", "attention_chunk_size")
-        optional_integers = ("context_parallel_size", "memory_plan_prompt_length")
+        optional_integers = ("context_parallel_size", "memory_plan_prompt_length", "replay_segment_size")
         for name in integers + optional_integers:
             value = getattr(self, name)
             if isinstance(value, bool) or not (
@@ -523,6 +554,7 @@ class LongStrawGRPOConfig(GRPOConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer (e.g. 1024).")
+        self._validate_replay_segment_size()
         if self.prompt_state_device != "auto":
             self._validate_state_device()
         if self.memory_plan not in MEMORY_PLAN_ACTIONS:

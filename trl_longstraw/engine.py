@@ -270,7 +270,7 @@ class Local:
             rows = slice(start, start + batch_size)
             if int(lengths[rows].max()) == 0 and engine.routing is None:
                 continue
-            chunk_logps, chunk_entropies, chunk_load = engine.member_forward(
+            chunk_logps, chunk_entropies, chunk_load = engine.scored_rows(
                 model, state, last_prompt_token, completions[rows], lengths[rows]
             )
             load = chunk_load if load is None else load + chunk_load
@@ -296,6 +296,31 @@ class Local:
 
 
 @dataclass
+class MemberTokens:
+    """What a forward of members feeds (`LongStrawEngine.member_forward`): `inputs [n, width + 1]` (the last prompt
+    token, then the right-padded completions), the `labels` each input token predicts (`-100`: none), and the
+    `routed` tokens the load-balancing loss counts (the last prompt token and the real completion tokens)."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    routed: torch.Tensor
+
+    @classmethod
+    def of(cls, last_prompt_token, completions, lengths, device) -> MemberTokens:
+        width = max(int(lengths.max()), 1)
+        completions = completions[:, :width].to(device)
+        real = torch.arange(width, device=device)[None, :] < lengths.to(device)[:, None]
+        rows = len(completions)
+        inputs = torch.cat([last_prompt_token.to(device).expand(rows, 1), completions], dim=1)
+        labels = torch.cat([completions.masked_fill(~real, -100), completions.new_full((rows, 1), -100)], 1)
+        return cls(inputs, labels, torch.cat([real.new_ones(rows, 1), real], dim=1))
+
+    @property
+    def width(self) -> int:
+        return self.inputs.shape[1] - 1
+
+
+@dataclass
 class LongStrawEngine:
     """Capture, score, replay and (exact mode) prompt backward for one causal LM with TRL's fused LM head.
 
@@ -311,6 +336,8 @@ class LongStrawEngine:
             its tokens' router load (the capture's into `state.router_load`), and no layer's output goes unread.
         distribution: how the processes sharing a prompt state divide its work (`Distribution`: `Local`, or
             `context_parallel.ContextParallel` over a CP group).
+        replay_segment_size: a member whose replay (its completion and the last prompt token) is longer is scored
+            and replayed in segments of this many tokens (`member_segments`); None: every member whole.
     """
 
     prefill_chunk_size: int
@@ -320,6 +347,7 @@ class LongStrawEngine:
     prompt_state_dtype: Literal["auto", "float8_e4m3fn"] = "auto"
     routing: MoeRouting | None = None
     distribution: Distribution = field(default_factory=Local)
+    replay_segment_size: int | None = None
 
     @staticmethod
     def device(model: nn.Module) -> torch.device:
@@ -395,7 +423,7 @@ class LongStrawEngine:
     def member_forward(self, model, state, last_prompt_token, completions, lengths):
         """Log-probs and entropies of `completions [n, T]` (right-padded; `lengths [n]` real tokens) given the state,
         and with `routing` the router load of the members' tokens (the last prompt token and their real tokens, as
-        stock's rows count them), else None.
+        stock's rows count them), else None: one forward of every row, whole.
 
         The input is `[last prompt token, completion...]`, one token longer than needed: the extra (last) token is
         never scored, but it keeps every replay at least two tokens long, so linear-attention layers take their
@@ -403,22 +431,74 @@ class LongStrawEngine:
         tokens is fed one masked token (its last prompt token's routing counts).
         """
         state.check_fresh(weights_version(model))
-        device = self.device(model)
-        width = max(int(lengths.max()), 1)
-        completions = completions[:, :width].to(device)
-        real = torch.arange(width, device=device)[None, :] < lengths.to(device)[:, None]
-        inputs = torch.cat([last_prompt_token.to(device).expand(len(completions), 1), completions], dim=1)
-        labels = torch.cat(
-            [completions.masked_fill(~real, -100), completions.new_full((len(completions), 1), -100)], 1
-        )
-        first_position = state.start_position + state.num_tokens
-        positions, position_ids = absolute_positions(first_position, width + 1, device)
+        tokens = MemberTokens.of(last_prompt_token, completions, lengths, self.device(model))
+        with checkpointed_layers_keep_the_state(model):
+            _, logps, entropies, load = self._forward_tokens(model, state, "read", tokens, slice(None))
+        width = tokens.width
+        return logps[:, :width], None if entropies is None else entropies[:, :width], load
+
+    def member_segments(self, length: int) -> list[tuple[int, int]]:
+        """`[start, end)` of each segment of a member's `length + 1` replayed tokens (`member_forward`'s input):
+        `replay_segment_size` tokens each, the last one longer where a segment of a single token would remain
+        (linear-attention layers replay at least two tokens: `member_forward`). One segment when it fits."""
+        size, total = self.replay_segment_size, max(length, 1) + 1
+        if size is None or total <= size:
+            return [(0, total)]
+        starts = list(range(0, total, size))
+        if total - starts[-1] < 2:
+            starts.pop()
+        return list(zip(starts, starts[1:] + [total], strict=True))
+
+    def scored_rows(self, model, state, last_prompt_token, completions, lengths):
+        """`member_forward`'s scores of `completions [n, T]`, no grad; a single member longer than one segment
+        (`member_segments`) is scored segment by segment: each one's state captured into a continuation of `state`
+        that the later segments read, so the scoring holds one segment's activations, never the member's."""
+        segments = self.member_segments(int(lengths.max())) if len(completions) == 1 else [()]
+        if len(segments) == 1:
+            return self.member_forward(model, state, last_prompt_token, completions, lengths)
+        state.check_fresh(weights_version(model))
+        tokens = MemberTokens.of(last_prompt_token, completions, lengths, self.device(model))
+        segmented = state.continuation(segments[-1][0])
+        logps, entropies, load = [], [], None
+        with no_layer_checkpointing(model):
+            for index, (start, end) in enumerate(segments):
+                mode = "read" if index == len(segments) - 1 else "capture"
+                _, part_logps, part_entropies, part_load = self._forward_tokens(
+                    model, segmented, mode, tokens, slice(start, end), index
+                )
+                logps.append(part_logps)
+                entropies.append(part_entropies)
+                load = part_load if load is None else load + part_load
+        width = tokens.width
+        logps = torch.cat(logps, dim=1)[:, :width]
+        return logps, None if entropies[0] is None else torch.cat(entropies, dim=1)[:, :width], load
+
+    def _forward_tokens(self, model, state, mode, tokens: MemberTokens, part: slice, chunk_index: int = 0):
+        """One forward of the members' tokens `part` (a segment, or all of them) against `state` in `mode`: the
+        access, the log-probs and entropies of each fed token's label (0 where it has none), and with `routing` the
+        router load of the fed tokens the rows count. `state` is the prompt's (the members' tokens follow its
+        captured ones) or a member's continuation of it (`PromptState.continuation`: the segment's tokens are its
+        entries `part`)."""
+        inputs, labels = tokens.inputs[:, part], tokens.labels[:, part]
+        first = part.start or 0
+        if state.parent is None:
+            first_position, prefix = state.start_position + state.num_tokens, state.num_tokens
+        else:  # prefix: the captured tokens before the segment, the prompt's included
+            first_position, prefix = state.start_position + first, state.geometry.first_index + first
+        positions, position_ids = absolute_positions(first_position, inputs.shape[1], inputs.device)
         access = StateAccess(
-            state, "read", positions, self.attention_chunk_size, state.num_tokens, batch_size=len(completions)
+            state,
+            mode,
+            positions,
+            self.attention_chunk_size,
+            prefix,
+            batch_size=len(inputs),
+            chunk_index=chunk_index,
+            every_output_read=state.parent is not None,  # a segment's last layer feeds its log-probs
         )
         routed = {} if self.routing is None else {"output_router_logits": True}
         recording = contextlib.nullcontext() if self.routing is None else recorded_router_logits(model.base_model)
-        with checkpointed_layers_keep_the_state(model), recording as router_logits, on_the_heads_device(model):
+        with recording as router_logits, on_the_heads_device(model):
             outputs = model(
                 input_ids=inputs,
                 position_ids=position_ids[None],
@@ -428,12 +508,10 @@ class LongStrawEngine:
                 **routed,
                 **{STATE_KWARG: access},
             )
-        entropies = None if outputs.entropy is None else outputs.entropy[:, :width]
         load = None
         if self.routing is not None:
-            routed_tokens = torch.cat([real.new_ones(len(completions), 1), real], dim=1)
-            load = RouterLoad.of(router_logits[-1], self.routing, routed_tokens)
-        return outputs.log_probs[:, :width], entropies, load
+            load = RouterLoad.of(router_logits[-1], self.routing, tokens.routed[:, part])
+        return access, outputs.log_probs, outputs.entropy, load
 
     def score(
         self,
@@ -562,6 +640,15 @@ class LongStrawEngine:
                 if self.distribution.lockstep:  # a round without a member of this process's: in step anyway
                     self.stand_in(model, state, last_prompt_token, completions[0])
                 continue
+            grads = (grad_logps[member, :length], None if grad_entropies is None else grad_entropies[member, :length])
+            replayed.append(member)
+            if len(self.member_segments(length)) > 1:
+                finite.append(
+                    self.replay_segments(
+                        model, state, last_prompt_token, completions[member], length, *grads, router_weights, autocast
+                    )
+                )
+                continue
             with autocast():
                 logps, entropies, *load = self.replay(
                     model,
@@ -572,7 +659,6 @@ class LongStrawEngine:
                     router_load=router_weights is not None,
                 )
             finite.append(torch.isfinite(logps.detach()).all())
-            replayed.append(member)
             router_objective = load[0].objective(router_weights) if load else None
             if router_objective is not None and not router_objective.requires_grad:
                 routing_detached, router_objective = True, None
@@ -582,15 +668,73 @@ class LongStrawEngine:
                     "{'use_reentrant': False} to train it.",
                     stacklevel=2,
                 )
-            member_backward(
-                logps,
-                entropies,
-                grad_logps[member, :length],
-                None if grad_entropies is None else grad_entropies[member, :length],
-                router_objective,
-            )
+            member_backward(logps, entropies, *grads, router_objective)
         finite = torch.stack(finite) if finite else torch.ones(0, dtype=torch.bool)
         return ReplayedMembers(replayed, finite, routing_detached)
+
+    def replay_segments(
+        self,
+        model: nn.Module,
+        state: PromptState,
+        last_prompt_token: torch.Tensor,
+        completion: torch.Tensor,
+        length: int,
+        grad_logps: torch.Tensor,
+        grad_entropies: torch.Tensor | None = None,
+        router_weights: torch.Tensor | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> torch.Tensor:
+        """One member's update in segments (`member_segments`), as exact mode updates from the prompt: every segment
+        but the last captured without autograd into a continuation of `state` (`PromptState.continuation`, its
+        entries autograd leaves); then from the last segment back to the first, each one forward under autograd over
+        the entries before it and backward with its share of the loss (`grad_logps`, `grad_entropies` `[length]`,
+        `router_weights`) and the gradient the later segments left on its own entries.
+
+        The member's own tokens get their whole gradient in both prompt-gradient modes; the prompt's entries get
+        theirs in exact mode (accumulated on the state's leaves, as a whole replay does). Peak: the prompt state, the
+        member's entries and their gradient, and one segment's graph (no activation checkpointing: the segment size
+        bounds the graph). Returns whether every log-prob was finite (a device flag, not read here).
+        """
+        state.check_fresh(weights_version(model))
+        segments = self.member_segments(length)
+        tokens = MemberTokens.of(last_prompt_token, completion[None], torch.tensor([length]), self.device(model))
+        segmented = state.continuation(segments[-1][0])
+        finite = []
+        with no_layer_checkpointing(model):
+            with torch.no_grad(), autocast():
+                for index, (start, end) in enumerate(segments[:-1]):
+                    self._forward_tokens(model, segmented, "capture", tokens, slice(start, end), index)
+            segmented.requires_grad_()
+            for index in reversed(range(len(segments))):
+                start, end = segments[index]
+                last = index == len(segments) - 1
+                with autocast():
+                    access, logps, entropies, load = self._forward_tokens(
+                        model, segmented, "read" if last else "recompute", tokens, slice(start, end), index
+                    )
+                scored = min(end, length) - start  # the segment's tokens with a label (the last input has none)
+                logps = logps[0, :scored]
+                finite.append(torch.isfinite(logps.detach()).all())
+                pairs = [(logps, grad_logps[start : start + scored].to(logps))]
+                if grad_entropies is not None:
+                    if entropies is None:
+                        raise RuntimeError(
+                            "the loss uses entropies but the model's fused LM head does not compute them"
+                        )
+                    pairs.append((entropies[0, :scored], grad_entropies[start : start + scored].to(entropies)))
+                if router_weights is not None:
+                    objective = load.objective(router_weights)
+                    pairs.append((objective, torch.ones_like(objective)))
+                if not last:  # the gradient the later segments left on this segment's entries
+                    pairs += [
+                        pair
+                        for layer_state, recorded in access.recorded.items()
+                        for pair in layer_state.recompute_pairs(recorded, index, start, end)
+                    ]
+                pairs = [(tensor, grad) for tensor, grad in pairs if tensor.requires_grad]
+                if pairs:
+                    torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
+        return torch.stack(finite).all()
 
     def stand_in(self, model: nn.Module, state: PromptState, last_prompt_token, completion) -> None:
         """A replay that adds nothing (one token, zero gradient), for a round where this process has no member while

@@ -165,6 +165,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             prompt_state_dtype=args.prompt_state_dtype,
             routing=routing,
             distribution=distribution_over(self.parallel_layout.cp_group),
+            replay_segment_size=args.replay_segment_size,
         )
         self._telemetry = PhaseTelemetry(
             model_devices(self._causal_lm(self.model)),  # every GPU the weights occupy (several under `device_map`)

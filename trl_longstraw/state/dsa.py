@@ -188,6 +188,10 @@ class IndexerKeys(LayerState):
         values, picked = own_scores.topk(min(k, own_scores.shape[-1]), dim=-1)
         limit = access.state.local_prefix(access.prefix_length)
         best = self.prompt_candidates(call, (values, own_index[picked]), k, limit, access.attention_chunk_size)
+        parent = self.parent
+        while parent is not None:  # a continuation: the keys of the states it continues, every one of them
+            best = parent.prompt_candidates(call, best, k, parent.keys.length, access.attention_chunk_size)
+            parent = parent.parent
         sharding = access.state.sharding
         return best if sharding is None else sharding.selection.finish_selection(access, self, best, k)
 

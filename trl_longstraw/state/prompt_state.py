@@ -58,6 +58,7 @@ class PromptState:
         fp8_pages: bool = False,
         layout: ShardLayout | None = None,
         rank: int = 0,
+        continues: PromptState | None = None,
     ):
         if exact and fp8_pages:
             raise ValueError(
@@ -70,13 +71,22 @@ class PromptState:
         if layout is not None:
             held, first_held = layout.held_tokens(rank), start_position + layout.held(rank)[0][0]
             prompt_start = start_position
+        first_index = 0
+        if continues is not None:  # a continuation: indices and positions go on from the state it continues
+            prompt_start = continues.geometry.origin
+            first_index = continues.geometry.first_index + continues.num_tokens
         self.geometry = PromptGeometry(
-            held, first_held, Placement(device), exact, fp8_pages, prompt_start, layout, rank
+            held, first_held, Placement(device), exact, fp8_pages, prompt_start, layout, rank, first_index
         )
         self.weights_version = weights_version
+        self.plans = plans
+        self.parent = continues  # the state whose entries this one's forwards read first (`continuation`)
         self.layers: list[LayerState] = [
             kind(mixer, plan.layer_idx, plan.layer_type, self.geometry) for plan in plans for kind, mixer in plan.kinds
         ]
+        if continues is not None:
+            for layer, parent_layer in zip(self.layers, continues.layers, strict=True):
+                layer.parent = parent_layer
         self.final_layer_idx = plans[-1].layer_idx
         self._by_mixer = {id(layer.mixer): layer for layer in self.layers}
         # the state serving each (layer, role) of the Cache API, looked up on every call (`of_layer`)
@@ -88,6 +98,30 @@ class PromptState:
         # to zero sums by a capture that records them.
         self.router_load: RouterLoad | None = None
         self.sharding: PromptSharding | None = None  # context parallelism's serving, set by its distribution
+
+    def continuation(self, num_tokens: int) -> PromptState:
+        """An empty state for `num_tokens` tokens that follow this one's captured tokens (a long member's earlier
+        segments, `LongStrawEngine`): its forwards read this state's entries first, then its own.
+
+        Its own entries are captured like a prompt's and kept as exact mode keeps them (every entry, every segment
+        boundary), in the model's dtype, and are always made autograd leaves: a member's own tokens get their full
+        gradient whatever the prompt's gradient mode; this state's entries get gradients only in exact mode.
+        """
+        if self.sharding is not None:
+            raise NotImplementedError(
+                "A member's segments continue a prompt state held on one process; under context parallelism (this "
+                "state's chunks are spread over a CP group) replay_segment_size is not supported: set it to None."
+            )
+        geometry = self.geometry
+        return PromptState(
+            self.plans,
+            num_tokens=num_tokens,
+            start_position=self.start_position + self.num_tokens,
+            device=geometry.placement.device,
+            weights_version=self.weights_version,
+            exact=True,
+            continues=self,
+        )
 
     def add_router_load(self, load: RouterLoad | None) -> None:
         if load is not None:
@@ -141,12 +175,18 @@ class PromptState:
         if self.sharding is not None:
             return self.sharding.attention(access, layer, query, own_keys, own_values, scalars, sinks, indices)
         limit = self.local_prefix(access.prefix_length) if access.mode == "recompute" else None
-        page_blocks, page_tensors = layer.page_block(query.dtype, limit, indices)
-        blocks = [(*page_tensors[2 * i : 2 * i + 2], block) for i, block in enumerate(page_blocks)]
+        blocks = self.page_blocks(layer, query.dtype, limit, indices)
         own_picked = None if indices is None else indices.long() - access.prefix_length
         own = KeyBlock(access.own_positions(own_keys.shape[1]), shared=False, picked=own_picked)
         blocks.append((own_keys, own_values, own))
         return attention_over_blocks(query, blocks, access.query_positions, scalars, sinks)
+
+    def page_blocks(self, layer: LayerState, dtype: torch.dtype, limit: int | None, indices: torch.Tensor | None):
+        """`(keys, values, KeyBlock)` of `layer`'s first `limit` pages (all by default), after every page of the
+        states this one continues (`continuation`)."""
+        blocks = [] if self.parent is None else self.parent.page_blocks(layer.parent, dtype, None, indices)
+        page_blocks, page_tensors = layer.page_block(dtype, limit, indices)
+        return blocks + [(*page_tensors[2 * i : 2 * i + 2], block) for i, block in enumerate(page_blocks)]
 
     def tensors(self) -> list[torch.Tensor]:
         return [tensor for layer in self.layers for tensor in layer.tensors()]

@@ -61,9 +61,16 @@ class ConvRecurrentState(LayerState):
         if access.mode == "decode" and (current := access.suffix.state(self, SLOTS[slot])) is not None:
             return current  # the rows' own state after their decoded tokens
         index = access.chunk_index - 1 if access.mode == "recompute" else len(states) - 1
-        if index < 0:
-            return None
+        if index < 0:  # the first chunk: a zero state, or where the state this one continues ends
+            return None if self.parent is None else self.parent.final_state(slot)
         return self.prompt.placement.stage(states[index], self.device)
+
+    def final_state(self, slot: int) -> torch.Tensor | None:
+        """The `slot` state (0: conv, 1: recurrent) after every captured token, where a continuation starts."""
+        states = self.chunk_states()[slot]
+        if states:
+            return self.prompt.placement.stage(states[-1], self.device)
+        return None if self.parent is None else self.parent.final_state(slot)
 
     def conv_state(self, access) -> torch.Tensor | None:
         return self._before(self.conv, access, slot=0)

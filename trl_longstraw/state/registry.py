@@ -179,6 +179,9 @@ class LayerState(abc.ABC):
         self.layer_idx = layer_idx
         self.layer_type = layer_type
         self.prompt = prompt
+        # a member's segments (`PromptState.continuation`): the same layer's state of the prompt they continue, read
+        # before this one's own entries
+        self.parent: LayerState | None = None
 
     @property
     def device(self) -> torch.device:
@@ -334,6 +337,9 @@ class PromptGeometry:
     prompt_start: int | None = None  # absolute position of the whole prompt's first captured token (None: ours)
     layout: ShardLayout | None = None  # context parallelism: the whole prompt's chunks and the rank holding each
     rank: int = 0  # this process's rank in `layout`
+    # a member's segments (`PromptState.continuation`): the index of their first entry among the captured tokens of
+    # the prompt and the segments together (the prompt's count); 0 for a prompt
+    first_index: int = 0
 
     @property
     def origin(self) -> int:
@@ -343,7 +349,7 @@ class PromptGeometry:
     def global_indices(self, first: int, end: int) -> torch.Tensor:
         """Indices among the whole prompt's captured tokens of the entries `first .. end - 1` held here (host)."""
         if self.layout is None:
-            return torch.arange(first, end)
+            return torch.arange(self.first_index + first, self.first_index + end)
         return self.layout.global_indices(self.rank, first, end)
 
     def positions(self, first: int, end: int) -> torch.Tensor:
@@ -353,12 +359,14 @@ class PromptGeometry:
     def local_indices(self, indices: torch.Tensor) -> torch.Tensor:
         """Captured-token `indices` as indices of the entries held here; -1 (or out of range) where not held here."""
         if self.layout is None:
-            return indices
+            return indices - self.first_index if self.first_index else indices
         return self.layout.local_indices(self.rank, indices)
 
     def held_before(self, index: int) -> int:
         """How many of the captured tokens before index `index` are held here."""
-        return index if self.layout is None else self.layout.held_before(self.rank, index)
+        if self.layout is None:
+            return min(max(0, index - self.first_index), self.num_tokens)
+        return self.layout.held_before(self.rank, index)
 
     def next_query(self, end: int) -> int:
         """The first captured-token index a query may have once the tokens before `end` are captured: what a sliding
