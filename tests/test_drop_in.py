@@ -176,6 +176,7 @@ KNOBS = {
     # completions of up to 6 tokens in segments of 2: every member of two tokens or more scored (old, reference,
     # second iteration) and replayed from its own earlier segments' state
     "replay-in-segments": {"replay_segment_size": 2, "beta": 0.04, "num_iterations": 2},
+    "replay-in-segments-with-activation-checkpointing": {"replay_segment_size": 2, "gradient_checkpointing": True},
     # bnpo normalises by the micro-batch's token count: the split into micro-steps must be stock's
     "bnpo-group-spans-micro-steps": {
         "loss_type": "bnpo",

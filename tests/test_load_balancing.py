@@ -130,9 +130,13 @@ def test_a_one_token_prompt_and_an_empty_member_count_as_in_stock(
 
 
 @pytest.mark.slow
-def test_reentrant_checkpointing_gives_the_loss_no_gradient_as_in_stock(tokenizer, prompt_dataset, tmp_path):
+@pytest.mark.parametrize("replay_segment_size", [None, 2])
+def test_reentrant_checkpointing_gives_the_loss_no_gradient_as_in_stock(
+    replay_segment_size, tokenizer, prompt_dataset, tmp_path
+):
     """Reentrant checkpointing runs the router under no_grad: stock's load-balancing loss gets no gradient, so
-    LongStraw's does not either (it warns), in the replay and in exact mode's prompt backward."""
+    LongStraw's does not either (it warns), in the replay (whole, or in segments) and in exact mode's prompt
+    backward."""
     path = tmp_path / "qwen3_moe"
     build_model("qwen3_moe", seed=0).save_pretrained(path)
     settings = {
@@ -140,6 +144,7 @@ def test_reentrant_checkpointing_gives_the_loss_no_gradient_as_in_stock(tokenize
         "max_steps": 2,
         "gradient_checkpointing": True,
         "gradient_checkpointing_kwargs": {"use_reentrant": True},
+        "replay_segment_size": replay_segment_size,
     }
     stock = train_run(GRPOTrainer, path, tokenizer, prompt_dataset, tmp_path, **settings)
     with pytest.warns(UserWarning, match="load-balancing loss gets no gradient"):

@@ -43,9 +43,13 @@ def members(dtype=torch.float64):
     return prompt, completions, grad_logps, grad_entropies
 
 
-def engine_update(family, prompt_gradient, segment_size):
-    """Scores, then `sum(grad_logps * logps + grad_entropies * entropies)` back-propagated through the engine."""
+def engine_update(family, prompt_gradient, segment_size, checkpointing=None):
+    """Scores, then `sum(grad_logps * logps + grad_entropies * entropies)` back-propagated through the engine; with
+    `checkpointing` ("reentrant" or "non-reentrant"), the decoder layers activation-checkpointed so."""
     model = prepared(model_of(family))
+    if checkpointing is not None:
+        model.activation_checkpointing_enable({"use_reentrant": checkpointing == "reentrant"})
+        model.train()
     prompt, completions, grad_logps, grad_entropies = members()
     engine = LongStrawEngine(
         prefill_chunk_size=8,
@@ -117,6 +121,15 @@ def test_segmented_exact_replay_gives_stock_gradients(family):
     # 1.1e-7 to 1.4e-7 with segments and 0.9e-7 to 1.2e-7 whole; without the gradient carried back into the
     # segments' own entries, 9e-2).
     _, _, grads = engine_update(family, "exact", SEGMENT)
+    assert global_relative_error(grads, stock_gradients(family)) <= 1e-6
+
+
+@pytest.mark.parametrize("checkpointing", ["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v32"])
+def test_segmented_replay_under_activation_checkpointing_gives_stock_gradients(family, checkpointing):
+    """Segments run checkpointed as the layers are (the entries a segment records keep their graph); reentrant
+    checkpointing, which would run them without one, is turned off for the segments."""
+    _, _, grads = engine_update(family, "exact", SEGMENT, checkpointing)
     assert global_relative_error(grads, stock_gradients(family)) <= 1e-6
 
 

@@ -172,6 +172,25 @@ def checkpointed_layers_keep_the_state(model: nn.Module) -> Iterator[None]:
             del layer._can_checkpoint_with_cache
 
 
+def reentrant_checkpointing(model: nn.Module) -> bool:
+    """Whether a decoder layer of `model` is activation-checkpointed reentrantly (`use_reentrant=True`): its forward
+    then runs under no_grad, and only its inputs and outputs carry a graph."""
+    return any(
+        getattr(module, "gradient_checkpointing", False) is True
+        and getattr(getattr(module, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant", False)
+        for module in model.modules()
+    )
+
+
+def warn_routing_detached() -> None:
+    warnings.warn(
+        "The MoE load-balancing loss gets no gradient: reentrant activation checkpointing runs the router inside "
+        "no_grad (GRPOTrainer's loss gets none either). Set gradient_checkpointing_kwargs={'use_reentrant': False} to "
+        "train it.",
+        stacklevel=3,
+    )
+
+
 def on_the_heads_device(model: nn.Module):
     """The LM head's CUDA device as the current one, for a forward through TRL's fused head: its Triton kernel launches
     on the current device, not its tensors' (it sets no device guard), and `device_map` may put the head on another
@@ -460,15 +479,14 @@ class LongStrawEngine:
         tokens = MemberTokens.of(last_prompt_token, completions, lengths, self.device(model))
         segmented = state.continuation(segments[-1][0])
         logps, entropies, load = [], [], None
-        with no_layer_checkpointing(model):
-            for index, (start, end) in enumerate(segments):
-                mode = "read" if index == len(segments) - 1 else "capture"
-                _, part_logps, part_entropies, part_load = self._forward_tokens(
-                    model, segmented, mode, tokens, slice(start, end), index
-                )
-                logps.append(part_logps)
-                entropies.append(part_entropies)
-                load = part_load if load is None else load + part_load
+        for index, (start, end) in enumerate(segments):
+            mode = "read" if index == len(segments) - 1 else "capture"
+            _, part_logps, part_entropies, part_load = self._forward_tokens(
+                model, segmented, mode, tokens, slice(start, end), index
+            )
+            logps.append(part_logps)
+            entropies.append(part_entropies)
+            load = part_load if load is None else load + part_load
         width = tokens.width
         logps = torch.cat(logps, dim=1)[:, :width]
         return logps, None if entropies[0] is None else torch.cat(entropies, dim=1)[:, :width], load
@@ -643,11 +661,11 @@ class LongStrawEngine:
             grads = (grad_logps[member, :length], None if grad_entropies is None else grad_entropies[member, :length])
             replayed.append(member)
             if len(self.member_segments(length)) > 1:
-                finite.append(
-                    self.replay_segments(
-                        model, state, last_prompt_token, completions[member], length, *grads, router_weights, autocast
-                    )
+                member_finite, detached = self.replay_segments(
+                    model, state, last_prompt_token, completions[member], length, *grads, router_weights, autocast
                 )
+                finite.append(member_finite)
+                routing_detached = routing_detached or detached
                 continue
             with autocast():
                 logps, entropies, *load = self.replay(
@@ -662,12 +680,7 @@ class LongStrawEngine:
             router_objective = load[0].objective(router_weights) if load else None
             if router_objective is not None and not router_objective.requires_grad:
                 routing_detached, router_objective = True, None
-                warnings.warn(
-                    "The MoE load-balancing loss gets no gradient: reentrant activation checkpointing runs the router "
-                    "inside no_grad (GRPOTrainer's loss gets none either). Set gradient_checkpointing_kwargs="
-                    "{'use_reentrant': False} to train it.",
-                    stacklevel=2,
-                )
+                warn_routing_detached()
             member_backward(logps, entropies, *grads, router_objective)
         finite = torch.stack(finite) if finite else torch.ones(0, dtype=torch.bool)
         return ReplayedMembers(replayed, finite, routing_detached)
@@ -683,7 +696,7 @@ class LongStrawEngine:
         grad_entropies: torch.Tensor | None = None,
         router_weights: torch.Tensor | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, bool]:
         """One member's update in segments (`member_segments`), as exact mode updates from the prompt: every segment
         but the last captured without autograd into a continuation of `state` (`PromptState.continuation`, its
         entries autograd leaves); then from the last segment back to the first, each one forward under autograd over
@@ -692,15 +705,23 @@ class LongStrawEngine:
 
         The member's own tokens get their whole gradient in both prompt-gradient modes; the prompt's entries get
         theirs in exact mode (accumulated on the state's leaves, as a whole replay does). Peak: the prompt state, the
-        member's entries and their gradient, and one segment's graph (no activation checkpointing: the segment size
-        bounds the graph). Returns whether every log-prob was finite (a device flag, not read here).
+        member's entries and their gradient, and one segment's graph, checkpointed as the model's layers are.
+        Reentrant checkpointing runs a layer inside no_grad, which would leave the entries a segment records without
+        the graph their gradient needs: the segments then run without it, and the load-balancing loss gets no
+        gradient, as in stock under reentrant checkpointing. Returns whether every log-prob was finite (a device
+        flag, not read here) and whether the load-balancing loss got none.
         """
         state.check_fresh(weights_version(model))
         segments = self.member_segments(length)
         tokens = MemberTokens.of(last_prompt_token, completion[None], torch.tensor([length]), self.device(model))
         segmented = state.continuation(segments[-1][0])
+        reentrant = reentrant_checkpointing(model)
+        routing_detached = reentrant and router_weights is not None
+        if routing_detached:
+            warn_routing_detached()
         finite = []
-        with no_layer_checkpointing(model):
+        layers = no_layer_checkpointing(model) if reentrant else checkpointed_layers_keep_the_state(model)
+        with layers:
             with torch.no_grad(), autocast():
                 for index, (start, end) in enumerate(segments[:-1]):
                     self._forward_tokens(model, segmented, "capture", tokens, slice(start, end), index)
@@ -722,7 +743,7 @@ class LongStrawEngine:
                             "the loss uses entropies but the model's fused LM head does not compute them"
                         )
                     pairs.append((entropies[0, :scored], grad_entropies[start : start + scored].to(entropies)))
-                if router_weights is not None:
+                if router_weights is not None and not routing_detached:
                     objective = load.objective(router_weights)
                     pairs.append((objective, torch.ones_like(objective)))
                 if not last:  # the gradient the later segments left on this segment's entries
@@ -734,7 +755,7 @@ class LongStrawEngine:
                 pairs = [(tensor, grad) for tensor, grad in pairs if tensor.requires_grad]
                 if pairs:
                     torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
-        return torch.stack(finite).all()
+        return torch.stack(finite).all(), routing_detached
 
     def stand_in(self, model: nn.Module, state: PromptState, last_prompt_token, completion) -> None:
         """A replay that adds nothing (one token, zero gradient), for a round where this process has no member while
