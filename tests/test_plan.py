@@ -60,6 +60,35 @@ def test_context_parallelism_shares_the_attention_pages_and_replicates_recurrent
     assert halves.device_bytes < whole.device_bytes
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "glm_moe_dsa"])
+def test_a_long_member_in_segments_is_planned_as_one_segments_graph_beside_its_earlier_segments_state(family):
+    """R = 4,096 in segments of 1,000 (4,097 replayed: five segments, the last of 97 tokens): the graph of 1,001 tokens
+    (a segment, and the one token a last segment may take over), and the state of the 4,000 tokens before the last
+    segment as exact mode keeps it, with its gradient (the DSA indexer keys take none)."""
+    config = tiny_config(family)
+    whole = dataclasses.replace(SETUP, completion_tokens=4096)
+    segmented = dataclasses.replace(whole, replay_segment_size=1000)
+    replay = plan_run(config, segmented).account.replay
+    assert replay.tokens == 1001
+    state = prompt_state_bytes(config, 4000, 2, exact=True, prefill_chunk_size=1000)
+    gradient = sum(n for label, n in state.items() if label != "dsa_indexer_keys")
+    assert replay.member_state == sum(state.values()) + gradient
+    assert plan_run(config, segmented).device_bytes < plan_run(config, whole).device_bytes
+    assert plan_run(config, dataclasses.replace(whole, replay_segment_size=8192)).account.replay.member_state == 0
+
+
+def test_a_segment_size_is_suggested_where_the_replay_does_not_fit():
+    config = tiny_config("qwen3")
+    setup = dataclasses.replace(SETUP, completion_tokens=65536, group_size=1, prompts_per_generation=0)
+    whole = plan_run(config, setup)
+    budget = whole.device_bytes + plan_run(config, dataclasses.replace(setup, replay_segment_size=4096)).device_bytes
+    plan = plan_run(config, setup, budget=budget // 2)
+    sizes = [s["settings"]["replay_segment_size"] for s in plan.suggestions if "replay_segment_size" in s["settings"]]
+    assert sizes and all(
+        plan_run(config, dataclasses.replace(setup, replay_segment_size=n)).fits is not False for n in sizes
+    )
+
+
 def test_full_fine_tuning_counts_each_weights_gradient_and_adam_moments():
     config = tiny_config("qwen3")
     plan = plan_run(config, dataclasses.replace(SETUP, lora_rank=None))
@@ -344,6 +373,11 @@ def test_the_script_names_an_unreadable_model_and_exits_2(capsys):
         (["--prompt-length", "9", "--lora-target-modules", "all-linear"], "--lora-target-modules needs --lora-r > 0"),
         (["--prompt-length", "9", "--attention-chunk-size", "0"], "--attention-chunk-size must be at least 1"),
         (["--prompt-length", "9", "--per-device-train-batch-size", "0"], "--per-device-train-batch-size must be"),
+        (["--prompt-length", "9", "--replay-segment-size", "1"], "--replay-segment-size must be at least 2, got 1"),
+        (
+            ["--prompt-length", "9", "--replay-segment-size", "512", "--context-parallel-size", "2"],
+            "--replay-segment-size is not supported with --context-parallel-size > 1",
+        ),
     ],
 )
 def test_bad_flags_are_refused_before_any_config_is_read(flags, message, monkeypatch, capsys):

@@ -32,7 +32,9 @@ SETUP_PHASES = ("weights", "optimizer_state")
 GLM5_RECIPE = Path(__file__).resolve().parent.parent / "configs" / "glm5_lora_fsdp2_cp8.yaml"
 
 
-def validation_spec(family: str, mode: str, fake: bool, context_parallel=1, weight_shards=1, rank=0, sample=2):
+def validation_spec(
+    family: str, mode: str, fake: bool, context_parallel=1, weight_shards=1, rank=0, sample=2, **settings
+):
     """Tiny sizes: 4 capture chunks, prompt pages in 8 attention chunks (so runs of interchangeable ones exist), 2
     members, LoRA on every linear map. The MLA + DSA + MoE model: 2 capture chunks (each of its layers reads the prompt
     through a top-k, per query, not in chunks, and costs the simulation the most ops), and bf16: the grouped GEMM takes
@@ -49,6 +51,7 @@ def validation_spec(family: str, mode: str, fake: bool, context_parallel=1, weig
         dtype_bytes=2 if family == "mla_dsa_moe" else 4,
         prompt_gradient=mode,
     )
+    setup = dataclasses.replace(setup, **settings)
     return SimulationSpec(
         config=tiny_config(FAMILIES[family]).to_dict(),
         setup=dataclasses.asdict(setup),
@@ -80,6 +83,19 @@ def test_simulated_phase_peaks_equal_the_real_tracked_peaks(family, mode):
     assert_same_phase_peaks(fake, real, (family, mode))
     if family != "mla_dsa_moe":  # (its layers read the prompt through a top-k: no chunk runs)
         assert fake["sampled_iterations"] > 0  # the sampling was exercised, and changed no peak
+
+
+def test_simulated_segmented_replay_peaks_equal_the_real_tracked_peaks():
+    """Members of 47 tokens in segments of 8 (exact mode, the GatedDeltaNet hybrid: attention pages and recurrent
+    states continued): the scoring and the replay walk six segments, the replay holding the earlier segments' state
+    and its gradient beside one segment's graph, less than a whole replay's."""
+    family = "hybrid"
+    segmented = {"completion_tokens": 47, "replay_segment_size": 8}
+    real = run(validation_spec(family, "exact", fake=False, **segmented))
+    fake = run(validation_spec(family, "exact", fake=True, **segmented))
+    assert_same_phase_peaks(fake, real, "segments")
+    whole = run(validation_spec(family, "exact", fake=True, completion_tokens=47))
+    assert real["phases"]["replay"]["peak_gib"] < whole["phases"]["replay"]["peak_gib"]
 
 
 def test_sampled_iterations_account_the_work_they_stand_for():

@@ -27,6 +27,7 @@ TRAINER_DEFAULTS = {
     "num_iterations": 1,
     "prefill_chunk_size": 1024,
     "attention_chunk_size": 4096,
+    "replay_segment_size": None,
     "prompt_gradient": "detach",
 }
 
@@ -97,6 +98,12 @@ def plan_parser(subparsers) -> argparse.ArgumentParser:
         default=TRAINER_DEFAULTS["attention_chunk_size"],
         help="prompt keys per attention block",
     )
+    parser.add_argument(
+        "--replay-segment-size",
+        type=int,
+        default=TRAINER_DEFAULTS["replay_segment_size"],
+        help="replay a longer member in segments of this many tokens (default: every member whole)",
+    )
     parser.add_argument("--activation-checkpointing", action="store_true", help="checkpoint the replay's layers")
     parser.add_argument("--context-parallel-size", type=int, default=1, help="ranks sharing one prompt (CP)")
     parser.add_argument(
@@ -162,6 +169,13 @@ def check_plan_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error(f"--gpus must be at least 1, got {args.gpus}")
     if args.context_parallel_size < 1:
         parser.error(f"--context-parallel-size must be at least 1, got {args.context_parallel_size}")
+    if args.replay_segment_size is not None and args.replay_segment_size < 2:
+        parser.error(f"--replay-segment-size must be at least 2, got {args.replay_segment_size}")
+    if args.replay_segment_size is not None and args.context_parallel_size > 1:
+        parser.error(
+            "--replay-segment-size is not supported with --context-parallel-size > 1 (the trainer refuses it): "
+            "give one of them"
+        )
     if args.weight_shards < 1:
         parser.error(f"--weight-shards must be at least 1, got {args.weight_shards}")
     if args.gpus is not None and args.gpus % args.weight_shards:
@@ -349,6 +363,7 @@ def setup_from_flags(args: argparse.Namespace):
         activation_checkpointing=args.activation_checkpointing,
         prefill_chunk_size=args.prefill_chunk_size,
         attention_chunk_size=args.attention_chunk_size,
+        replay_segment_size=args.replay_segment_size,
         dtype_bytes=4 if args.dtype == "float32" else 2,
         prompt_gradient=args.prompt_gradient,
         beta=args.beta,

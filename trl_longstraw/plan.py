@@ -166,7 +166,8 @@ class Plan:
             **weights,
             "prompt state": self.state_on_device,
             "capture working set (one chunk)": account.capture.bytes,
-            "replay working set (one member)": account.replay.bytes,
+            "replay working set (one member)": account.replay.bytes - account.replay.member_state,
+            "a member's earlier segments: state and its gradient": account.replay.member_state,
             "merged expert stack, once per forward (PEFT's check)": account.merge_check,
             "rollout (decoded rows of the generation batch)": account.rollout_bytes(0),
             "group scalars": account.group_scalars,
@@ -317,6 +318,15 @@ def _suggestions(config, plan: Plan, stock_rows: int, devices: int | None) -> li
     for change in strongest:
         if (candidate := planned(change)).fits:
             record(change, candidate)
+    if plan.context_parallel == 1:  # a long member in segments (not under context parallelism: the trainer refuses)
+        size = min(setup.replay_segment_size or setup.completion_tokens, setup.completion_tokens) // 2
+        if size >= SMALLEST_CHUNK:
+            strongest.append({"replay_segment_size": SMALLEST_CHUNK})
+        while size >= SMALLEST_CHUNK:
+            if (candidate := planned({"replay_segment_size": size})).fits:
+                record({"replay_segment_size": size}, candidate)
+                break
+            size //= 2
     for field in ("prefill_chunk_size", "attention_chunk_size"):
         size = getattr(setup, field) // 2
         if size >= SMALLEST_CHUNK:
@@ -328,11 +338,15 @@ def _suggestions(config, plan: Plan, stock_rows: int, devices: int | None) -> li
             size //= 2
     largest = min(devices or LARGEST_CONTEXT_PARALLEL, LARGEST_CONTEXT_PARALLEL)
     size = plan.context_parallel * 2
+
+    def context_parallel(ranks: int) -> dict:  # segments are refused under context parallelism: dropped with it
+        return {"context_parallel": ranks, **({"replay_segment_size": None} if setup.replay_segment_size else {})}
+
     if size <= largest:
-        strongest.append({"context_parallel": largest})
+        strongest.append(context_parallel(largest))
     while size <= largest:
-        if (candidate := planned({"context_parallel": size})).fits:
-            record({"context_parallel": size}, candidate)
+        if (candidate := planned(context_parallel(size))).fits:
+            record(context_parallel(size), candidate)
             break
         size *= 2
     if plan.weight_shards == 1 and setup.quantization == "none" and devices is not None and devices > 1:
@@ -358,6 +372,8 @@ def suggestion_flags(suggestion: dict) -> str:
     for key, value in suggestion["settings"].items():
         if key == "shard_weights":
             flags.append(f"--weight-shards {suggestion['weight_shards']}")
+        elif value is None:
+            flags.append(f"without --{key.replace('_', '-')}")
         elif value is True:
             flags.append(f"--{key.replace('_', '-')}")
         else:
@@ -368,7 +384,7 @@ def suggestion_flags(suggestion: dict) -> str:
 def suggestion_yaml(suggestion: dict) -> str:
     """A suggestion as recipe YAML lines (`LongStrawGRPOConfig` fields), on one line."""
     return "; ".join(
-        f"{key}: {str(value).lower() if isinstance(value, bool) else value}"
+        f"{key}: {'null' if value is None else str(value).lower() if isinstance(value, bool) else value}"
         for key, value in suggestion["settings"].items()
     )
 
@@ -464,6 +480,7 @@ def trainer_setup(config: PretrainedConfig, model, args, peft_config=None, quant
         activation_checkpointing=bool(args.activation_checkpointing or args.gradient_checkpointing),
         prefill_chunk_size=args.prefill_chunk_size,
         attention_chunk_size=args.attention_chunk_size,
+        replay_segment_size=args.replay_segment_size,
         dtype_bytes=4 if full_width else 2,
         # a process's rows that do not hold whole groups can start mid-group: one more prompt at most
         prompts_per_generation=(-(-rows // group) + (1 if rows % group else 0)) if rollout else 0,

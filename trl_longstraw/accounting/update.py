@@ -18,7 +18,7 @@ What is not modelled at all: the CUDA context and the caching allocator's fragme
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from torch import nn
@@ -211,8 +211,9 @@ def _layer_linear_elements(layer: nn.Module, experts_per_token: int) -> int:
 class GraphAccount:
     """An ESTIMATE of the largest working set of one forward (+ backward) of `tokens` tokens over the prompt state:
     what autograd saves (`saved`), the backward's working set (`backward`), the prefix attention's fp32 score tiles
-    (`attention_tiles`), TRL's fused LM head (`lm_head`), transformers' DSA indexer (`indexer`) and, under context
-    parallelism, the step attention's gathered inputs and exchanged partials (`step_attention`)."""
+    (`attention_tiles`), TRL's fused LM head (`lm_head`), transformers' DSA indexer (`indexer`), under context
+    parallelism the step attention's gathered inputs and exchanged partials (`step_attention`), and for a member
+    replayed in segments its earlier segments' state and that state's gradient (`member_state`)."""
 
     tokens: int
     saved: int = 0
@@ -221,10 +222,19 @@ class GraphAccount:
     lm_head: int = 0
     indexer: int = 0
     step_attention: int = 0
+    member_state: int = 0
 
     @property
     def bytes(self) -> int:
-        return self.saved + self.backward + self.attention_tiles + self.lm_head + self.indexer + self.step_attention
+        return (
+            self.saved
+            + self.backward
+            + self.attention_tiles
+            + self.lm_head
+            + self.indexer
+            + self.step_attention
+            + self.member_state
+        )
 
 
 def replay_graph_account(
@@ -262,6 +272,31 @@ def replay_graph_account(
         trust_remote_code,
         fused_kernels,
     )
+
+
+def segmented_replay_account(config: PretrainedConfig | nn.Module, setup: UpdateSetup) -> GraphAccount:
+    """ESTIMATE of one member's replay as the engine runs it: whole (`replay_graph_account`), or, for a member longer
+    than `setup.replay_segment_size` (`LongStrawEngine.member_segments`), the graph of its longest segment (one token
+    longer than a segment at most) beside the state of every segment before the last, kept as exact mode keeps a
+    prompt's (every entry, a recurrent state per segment boundary), and that state's gradient (all of it but the DSA
+    indexer keys, which take none)."""
+    replayed, size = setup.completion_tokens + 1, setup.replay_segment_size
+    segmented = size is not None and replayed > size
+    graph = replay_graph_account(
+        config,
+        min(setup.completion_tokens, size) if segmented else setup.completion_tokens,
+        setup.prompt_tokens - 1 + (replayed if segmented else 0),
+        setup.attention_chunk_size,
+        setup.activation_checkpointing,
+        setup.dtype_bytes,
+    )
+    if not segmented:
+        return graph
+    last = replayed - (replayed - 1) // size * size
+    held = replayed - (last if last >= 2 else last + size)
+    state = prompt_state_bytes(config, held, setup.dtype_bytes, exact=True, prefill_chunk_size=size)
+    gradient = sum(bytes_ for label, bytes_ in state.items() if label != "dsa_indexer_keys")
+    return replace(graph, member_state=sum(state.values()) + gradient)
 
 
 def capture_chunk_account(
@@ -386,6 +421,7 @@ class UpdateSetup:
     prompt_gradient: Literal["detach", "exact"] = "detach"  # the plan models detach mode; a simulation runs either
     beta: float = 0.0  # != 0: the reference model's capture and scores (GRPOConfig.beta)
     num_iterations: int = 1  # > 1: the old policy's scores (GRPOConfig.num_iterations)
+    replay_segment_size: int | None = None  # a longer member is replayed in segments (LongStrawGRPOConfig's field)
 
     @property
     def adapter_value_bytes(self) -> int:
@@ -461,14 +497,7 @@ def update_account(config: PretrainedConfig, setup: UpdateSetup, trust_remote_co
     skeleton = model_skeleton(config, **remote)  # one skeleton for everything else
     weights = weight_account(skeleton, setup.quantization, setup.double_quant, setup.dtype_bytes)
     state = prompt_state_bytes(skeleton, setup.prompt_tokens - 1, setup.dtype_bytes, setup.state_dtype)
-    replay = replay_graph_account(
-        skeleton,
-        setup.completion_tokens,
-        setup.prompt_tokens - 1,
-        setup.attention_chunk_size,
-        setup.activation_checkpointing,
-        setup.dtype_bytes,
-    )
+    replay = segmented_replay_account(skeleton, setup)
     capture = capture_chunk_account(
         skeleton, setup.prefill_chunk_size, setup.prompt_tokens - 1, setup.attention_chunk_size, setup.dtype_bytes
     )

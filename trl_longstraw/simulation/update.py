@@ -323,6 +323,7 @@ class GroupUpdate:
             prompt_gradient=spec.prompt_gradient,
             prompt_state_dtype=setup.state_dtype,
             distribution=distribution_over(layout.cp_group),
+            replay_segment_size=setup.replay_segment_size,
         )
         self.optimizer = _optimizer(model, device)
         self.generation = GenerationConfig(max_new_tokens=max(spec.decode_steps, 1), do_sample=True, temperature=1.0)
@@ -381,7 +382,9 @@ class GroupUpdate:
         whole_group = PromptGroup(0, list(range(group)), prompt, 0, [setup.completion_tokens] * group)
         chunks = -(-(setup.prompt_tokens - 1) // setup.prefill_chunk_size)
         members = len(engine.distribution.members(group))
-        passes = {"replay": members, "prompt_backward": -(-chunks // spec.context_parallel)}
+        segments = len(engine.member_segments(setup.completion_tokens))  # forwards per member scored
+        replays = members * (2 * segments - 1)  # a segmented replay captures all but its last segment first
+        passes = {"replay": replays, "prompt_backward": -(-chunks // spec.context_parallel)}
         state = None
         if spec.decode_steps:
             with self._phase("capture", chunks), torch.no_grad(), self.autocast():
@@ -394,7 +397,7 @@ class GroupUpdate:
             with self.model.disable_adapter() if self.model is not lm else contextlib.nullcontext():
                 with self._phase("capture_ref", chunks), torch.no_grad(), self.autocast():
                     reference = engine.capture(lm, prompt, 0)
-                with self._phase("score", members), torch.no_grad(), self.autocast():
+                with self._phase("score", members * segments), torch.no_grad(), self.autocast():
                     engine.score_group(lm, reference, whole_group, completions)
                 del reference
             self._finish_phase()
@@ -403,7 +406,7 @@ class GroupUpdate:
             if state is None:
                 with self._phase("capture", chunks), torch.no_grad(), self.autocast():
                     state = engine.capture(lm, prompt, 0)
-            with self._phase("score", members), torch.no_grad(), self.autocast():
+            with self._phase("score", members * segments), torch.no_grad(), self.autocast():
                 scores = engine.score_group(lm, state, whole_group, completions)
             self._finish_phase()
         logps = scores.logps
