@@ -8,9 +8,12 @@ import pytest
 import torch
 from trl import GRPOTrainer
 
+import trl_longstraw.engine as engine_module
 from trl_longstraw import LongStrawGRPOConfig
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine
+from trl_longstraw.load_balancing import moe_routing
+from trl_longstraw.segments import prefix_tree
 from trl_longstraw.state import PromptState
 
 from .conftest import max_relative_error
@@ -238,3 +241,131 @@ def test_the_trainer_replays_long_members_in_segments(monkeypatch, fresh_model, 
         batch_shape={"completion_lengths": ((9, 3, 5), (2, 8, 1))},
     )
     assert sorted(continued) == [3, 3, 6, 6, 6, 6]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Members that share more than the prompt: a prefix tree of spans, each run once
+# ---------------------------------------------------------------------------------------------------------------------
+def tree_members(dtype=torch.float64):
+    """Five members whose completions share spans three deep: members 0 and 4 alike (A B C), member 1 (A B D),
+    member 2 (A E), member 3 (F) sharing nothing."""
+    generator = torch.Generator().manual_seed(2)
+    part = lambda n: torch.randint(2, 90, (n,), generator=generator)
+    a, b, c, d, e, f = part(6), part(4), part(4), part(3), part(5), part(8)
+    rows = [torch.cat(x) for x in ([a, b, c], [a, b, d], [a, e], [f], [a, b, c])]
+    lengths = [len(row) for row in rows]
+    completions = torch.stack([torch.nn.functional.pad(row, (0, max(lengths) - len(row))) for row in rows])
+    prompt = part(21)
+    grad_logps = torch.randn(completions.shape, generator=generator, dtype=dtype)
+    grad_entropies = torch.randn(completions.shape, generator=generator, dtype=dtype)
+    return prompt, completions, lengths, grad_logps, grad_entropies
+
+
+def test_the_prefix_tree_of_the_tree_members():
+    _, completions, lengths, _, _ = tree_members()
+    labels = [completions[i, :n].tolist() + [-100] for i, n in enumerate(lengths)]
+    [root] = prefix_tree(labels, 2)
+    assert (root.start, root.end, root.members, root.leaves) == (0, 6, [0, 1, 2, 4], [2])
+    [middle] = root.children
+    assert (middle.start, middle.end, middle.members, middle.leaves) == (6, 10, [0, 1, 4], [1])
+    [deepest] = middle.children
+    # members 0 and 4 are alike to the end: the span stops two tokens before it, which each feeds on its own
+    assert (deepest.start, deepest.end, deepest.members, deepest.leaves, deepest.children) == (
+        10,
+        13,
+        [0, 4],
+        [0, 4],
+        [],
+    )
+    # spans of 10 tokens or more: members 0, 1 and 4 share A B, from the first token
+    assert [(n.start, n.end, n.members, n.children) for n in prefix_tree(labels, 10)] == [(0, 10, [0, 1, 4], [])]
+    assert prefix_tree(labels, 14) == []  # members 0 and 4 share 13 tokens before their last two
+    assert LongStrawEngine(8, 8).shared_spans(completions, [0] * 5) == []
+
+
+@pytest.mark.parametrize(
+    "labels, min_tokens, spans",
+    [
+        ([[1, 2, 3, 4, -100], [5, 2, 3, 4, -100]], 2, []),  # they part at the first token
+        ([[1, 2, 3, 4, -100], [1, 2, 3, 9, 9, -100]], 2, [(0, 3, [0, 1])]),
+        ([[1, 2, 3, -100], [1, 2, 3, 4, -100]], 2, [(0, 2, [0, 1])]),  # two tokens before the shorter one's end
+        ([[1, 2, -100], [1, 2, -100], [1, 2, -100]], 2, []),  # alike, but nothing left to share
+        ([[1, 2, 3, 4, -100], [1, 2, 3, 4, -100], [7, 7, 7, -100]], 2, [(0, 3, [0, 1])]),
+        ([[1, 2, 3, 4, 5, -100], [1, 2, 8, 8, 8, -100], [1, 2, 8, 8, 9, -100]], 3, [(0, 4, [1, 2])]),
+        ([[], [1, 2, 3, 4, -100]], 2, []),  # an empty member shares nothing
+    ],
+)
+def test_shared_spans_are_found_from_the_labels(labels, min_tokens, spans):
+    found = prefix_tree(labels, min_tokens)
+    assert [(node.start, node.end, node.members) for node in found] == spans
+
+
+def tree_update(family, prompt_gradient, segment_size, share: bool, monkeypatch, routed=False):
+    """The tree members' update through the engine, their shared spans run once (`share`) or each member alone; with
+    `routed`, the MoE load-balancing loss's gradient too (random weights per expert)."""
+    monkeypatch.setattr(engine_module, "SHARED_SPAN_TOKENS", 2 if share else 10**9)
+    model = prepared(model_of(family))
+    prompt, completions, lengths, grad_logps, grad_entropies = tree_members()
+    routing = moe_routing(model) if routed else None
+    engine = LongStrawEngine(8, 5, prompt_gradient=prompt_gradient, replay_segment_size=segment_size, routing=routing)
+    router_weights = None
+    if routed:
+        router_weights = torch.randn(routing.num_experts, generator=torch.Generator().manual_seed(3)).double()
+    state = engine.capture(model, prompt, 0)
+    if prompt_gradient == "exact":
+        state.requires_grad_()
+    continued = []
+    continuation = PromptState.continuation
+    monkeypatch.setattr(PromptState, "continuation", lambda self, n: continued.append(n) or continuation(self, n))
+    replayed = engine.replay_group(
+        model, state, prompt[-1:], completions, lengths, grad_logps, grad_entropies, router_weights
+    )
+    if prompt_gradient == "exact":
+        engine.backward_prompt(model, state, prompt, None if router_weights is None else router_weights * 5)
+    assert replayed.members == [0, 1, 2, 3, 4] and bool(replayed.finite.all())
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return grads, continued
+
+
+def stock_tree_gradients(family):
+    model = model_of(family)
+    model.set_attn_implementation("eager")
+    model = prepared(model)
+    model.set_attn_implementation("eager")
+    prompt, completions, lengths, grad_logps, grad_entropies = tree_members()
+    for row, length in enumerate(lengths):
+        ids = torch.cat([prompt, completions[row, :length]])[None]
+        labels = ids.masked_fill(torch.arange(ids.shape[1]) < prompt.numel(), -100)
+        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
+        objective = (out.log_probs[0, -length:] * grad_logps[row, :length]).sum()
+        objective = objective + (out.entropy[0, -length:] * grad_entropies[row, :length]).sum()
+        objective.backward()
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("segment_size", [None, 3])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "nemotron_h", "deepseek_v32"])
+def test_a_tree_of_shared_spans_gives_stock_gradients(family, segment_size, monkeypatch):
+    """Spans of 6, 4 and 3 tokens run once for 4, 3 and 2 members (each a continuation of the one above), in segments
+    of 3 or whole; the members' own tokens from them."""
+    grads, continued = tree_update(family, "exact", segment_size, True, monkeypatch)
+    assert sorted(continued)[-3:] == [3, 4, 6] if segment_size is None else 6 in continued
+    assert global_relative_error(grads, stock_tree_gradients(family)) <= 1e-6
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v32"])
+def test_a_tree_of_shared_spans_in_detach_mode_gives_each_members_own_replays_gradients(family, monkeypatch):
+    """Detach holds the prompt constant, never the spans members share: their gradient is every member's."""
+    shared, _ = tree_update(family, "detach", None, True, monkeypatch)
+    alone, continued = tree_update(family, "detach", None, False, monkeypatch)
+    assert continued == []
+    assert global_relative_error(shared, alone) <= 1e-6
+
+
+def test_a_tree_counts_each_members_routing_of_a_shared_span(monkeypatch):
+    """The load-balancing loss reads every row's tokens: a span shared by k members is routed once and counts k
+    times, as each member's own replay counts it."""
+    shared, continued = tree_update("qwen3_moe", "exact", None, True, monkeypatch, routed=True)
+    alone, _ = tree_update("qwen3_moe", "exact", None, False, monkeypatch, routed=True)
+    assert continued
+    assert global_relative_error(shared, alone) <= 1e-6

@@ -34,7 +34,7 @@ from .attention import ATTENTION_IMPLEMENTATION, STATE_KWARG, register_attention
 from .experts import EXPERTS_IMPLEMENTATION, lora_experts, register_experts
 from .groups import PromptGroup
 from .load_balancing import MoeRouting, RouterLoad, recorded_router_logits
-from .loss import member_backward
+from .segments import IGNORED, PrefixNode, prefix_tree, segments
 from .state import PromptState, StateAccess, UnpreparedModelError, plan_layers
 from .state.suffix import Suffix
 
@@ -42,6 +42,9 @@ if TYPE_CHECKING:
     from .context_parallel.sharding import ShardLayout
 
 _optimizer_steps = 0
+# A span two or more members of a group feed and predict alike is run once for them from this many tokens on: a shorter
+# one saves less than the forward and backward of its own it costs.
+SHARED_SPAN_TOKENS = 64
 
 
 def _count_optimizer_step(optimizer, args, kwargs) -> None:
@@ -189,6 +192,25 @@ def warn_routing_detached() -> None:
         "train it.",
         stacklevel=3,
     )
+
+
+def access_pairs(access: StateAccess, chunk_index: int, start: int, end: int) -> list[tuple[torch.Tensor, ...]]:
+    """(recomputed entry, gradient its state leaf accumulated) pairs of the entries `start .. end - 1` a recompute
+    forward of chunk `chunk_index` recorded (`LayerState.recompute_pairs`)."""
+    return [
+        pair
+        for layer_state, recorded in access.recorded.items()
+        for pair in layer_state.recompute_pairs(recorded, chunk_index, start, end)
+    ]
+
+
+def backward_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Back-propagate each (output, gradient) pair that has a graph, in one backward. An output computed from frozen
+    parameters alone (the first layer's keys under LoRA on q_proj/v_proj) has a gradient but no graph: nothing it
+    could push that gradient into trains."""
+    pairs = [(tensor, grad) for tensor, grad in pairs if tensor.requires_grad]
+    if pairs:
+        torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
 
 
 def on_the_heads_device(model: nn.Module):
@@ -452,21 +474,16 @@ class LongStrawEngine:
         state.check_fresh(weights_version(model))
         tokens = MemberTokens.of(last_prompt_token, completions, lengths, self.device(model))
         with checkpointed_layers_keep_the_state(model):
-            _, logps, entropies, load = self._forward_tokens(model, state, "read", tokens, slice(None))
+            _, logps, entropies, load = self._forward_tokens(
+                model, state, "read", tokens, slice(None), 0, state.num_tokens
+            )
         width = tokens.width
         return logps[:, :width], None if entropies is None else entropies[:, :width], load
 
     def member_segments(self, length: int) -> list[tuple[int, int]]:
-        """`[start, end)` of each segment of a member's `length + 1` replayed tokens (`member_forward`'s input):
-        `replay_segment_size` tokens each, the last one longer where a segment of a single token would remain
-        (linear-attention layers replay at least two tokens: `member_forward`). One segment when it fits."""
-        size, total = self.replay_segment_size, max(length, 1) + 1
-        if size is None or total <= size:
-            return [(0, total)]
-        starts = list(range(0, total, size))
-        if total - starts[-1] < 2:
-            starts.pop()
-        return list(zip(starts, starts[1:] + [total], strict=True))
+        """`[start, end)` of each segment of a member's `length + 1` replayed tokens (`member_forward`'s input), in
+        `replay_segment_size` tokens (`segments.segments`). One segment when it fits."""
+        return segments(0, max(length, 1) + 1, self.replay_segment_size)
 
     def scored_rows(self, model, state, last_prompt_token, completions, lengths):
         """`member_forward`'s scores of `completions [n, T]`, no grad; a single member longer than one segment
@@ -482,7 +499,7 @@ class LongStrawEngine:
         for index, (start, end) in enumerate(segments):
             mode = "read" if index == len(segments) - 1 else "capture"
             _, part_logps, part_entropies, part_load = self._forward_tokens(
-                model, segmented, mode, tokens, slice(start, end), index
+                model, segmented, mode, tokens, slice(start, end), index, 0
             )
             logps.append(part_logps)
             entropies.append(part_entropies)
@@ -491,18 +508,16 @@ class LongStrawEngine:
         logps = torch.cat(logps, dim=1)[:, :width]
         return logps, None if entropies[0] is None else torch.cat(entropies, dim=1)[:, :width], load
 
-    def _forward_tokens(self, model, state, mode, tokens: MemberTokens, part: slice, chunk_index: int = 0):
+    def _forward_tokens(self, model, state, mode, tokens: MemberTokens, part: slice, chunk_index: int, offset: int):
         """One forward of the members' tokens `part` (a segment, or all of them) against `state` in `mode`: the
         access, the log-probs and entropies of each fed token's label (0 where it has none), and with `routing` the
-        router load of the fed tokens the rows count. `state` is the prompt's (the members' tokens follow its
-        captured ones) or a member's continuation of it (`PromptState.continuation`: the segment's tokens are its
-        entries `part`)."""
+        router load of the fed tokens the rows count. The members' token 0 is entry `offset` of `state`: the entry
+        after the prompt's captured tokens (`offset=state.num_tokens`), or of a continuation of it that starts at
+        token `first` (`PromptState.continuation`, `offset=-first`)."""
         inputs, labels = tokens.inputs[:, part], tokens.labels[:, part]
-        first = part.start or 0
-        if state.parent is None:
-            first_position, prefix = state.start_position + state.num_tokens, state.num_tokens
-        else:  # prefix: the captured tokens before the segment, the prompt's included
-            first_position, prefix = state.start_position + first, state.geometry.first_index + first
+        entry = (part.start or 0) + offset  # of the part's first token
+        # prefix: the captured tokens before the part, the prompt's (and the states a continuation continues) included
+        first_position, prefix = state.start_position + entry, state.geometry.first_index + entry
         positions, position_ids = absolute_positions(first_position, inputs.shape[1], inputs.device)
         access = StateAccess(
             state,
@@ -651,7 +666,10 @@ class LongStrawEngine:
         process runs a `stand_in`. Under reentrant activation checkpointing the router logits carry no graph (in stock
         too, whose loss then gets none of this gradient): the load-balancing loss adds nothing, with a warning.
         """
-        finite, replayed, routing_detached = [], [], False
+        flags, replayed, routing_detached = {}, [], False
+        device = self.device(model)
+        tree = [] if self.distribution.lockstep else self.shared_spans(completions, lengths)
+        shared = {member for node in tree for member in node.members}
         for member in self.distribution.members(len(lengths)):
             length = 0 if member is None else lengths[member]
             if member is None or (length == 0 and router_weights is None):
@@ -660,102 +678,176 @@ class LongStrawEngine:
                 continue
             grads = (grad_logps[member, :length], None if grad_entropies is None else grad_entropies[member, :length])
             replayed.append(member)
-            if len(self.member_segments(length)) > 1:
-                member_finite, detached = self.replay_segments(
-                    model, state, last_prompt_token, completions[member], length, *grads, router_weights, autocast
-                )
-                finite.append(member_finite)
-                routing_detached = routing_detached or detached
+            if member in shared:  # replayed with the tree of spans it shares, below
                 continue
-            with autocast():
-                logps, entropies, *load = self.replay(
-                    model,
-                    state,
-                    last_prompt_token,
-                    completions[member],
-                    length,
-                    router_load=router_weights is not None,
-                )
-            finite.append(torch.isfinite(logps.detach()).all())
-            router_objective = load[0].objective(router_weights) if load else None
-            if router_objective is not None and not router_objective.requires_grad:
-                routing_detached, router_objective = True, None
-                warn_routing_detached()
-            member_backward(logps, entropies, *grads, router_objective)
-        finite = torch.stack(finite) if finite else torch.ones(0, dtype=torch.bool)
+            tokens = MemberTokens.of(last_prompt_token, completions[member][None], torch.tensor([length]), device)
+            flags[member], detached = self.replay_member(
+                model, state, state.num_tokens, tokens, 0, length, *grads, router_weights, autocast
+            )
+            routing_detached = routing_detached or detached
+        for node in tree:
+            below, detached = self._replay_shared(
+                model, state, node, last_prompt_token, completions, lengths, grad_logps, grad_entropies,
+                router_weights, autocast,
+            )  # fmt: skip
+            flags.update(below)
+            routing_detached = routing_detached or detached
+        finite = torch.stack([flags[member] for member in replayed]) if replayed else torch.ones(0, dtype=torch.bool)
         return ReplayedMembers(replayed, finite, routing_detached)
 
-    def replay_segments(
+    def replay_member(
         self,
         model: nn.Module,
         state: PromptState,
-        last_prompt_token: torch.Tensor,
-        completion: torch.Tensor,
+        offset: int,
+        tokens: MemberTokens,
+        first: int,
         length: int,
         grad_logps: torch.Tensor,
         grad_entropies: torch.Tensor | None = None,
         router_weights: torch.Tensor | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> tuple[torch.Tensor, bool]:
-        """One member's update in segments (`member_segments`), as exact mode updates from the prompt: every segment
-        but the last captured without autograd into a continuation of `state` (`PromptState.continuation`, its
-        entries autograd leaves); then from the last segment back to the first, each one forward under autograd over
-        the entries before it and backward with its share of the loss (`grad_logps`, `grad_entropies` `[length]`,
-        `router_weights`) and the gradient the later segments left on its own entries.
+        """One member's update from its token `first` on (`tokens`, one row of `length` completion tokens; its token
+        0 is entry `offset` of `state`: `_forward_tokens`), back-propagating its share of the loss (`grad_logps`,
+        `grad_entropies` `[length]`, of which tokens `first ..` are its own here; `router_weights`): whole, or, longer
+        than `replay_segment_size`, in segments (`segments.segments`) as exact mode updates from the prompt.
 
-        The member's own tokens get their whole gradient in both prompt-gradient modes; the prompt's entries get
-        theirs in exact mode (accumulated on the state's leaves, as a whole replay does). Peak: the prompt state, the
-        member's entries and their gradient, and one segment's graph, checkpointed as the model's layers are.
-        Reentrant checkpointing runs a layer inside no_grad, which would leave the entries a segment records without
-        the graph their gradient needs: the segments then run without it, and the load-balancing loss gets no
-        gradient, as in stock under reentrant checkpointing. Returns whether every log-prob was finite (a device
-        flag, not read here) and whether the load-balancing loss got none.
+        In segments, every segment but the last is captured without autograd into a continuation of `state`
+        (`PromptState.continuation`, its entries then autograd leaves); then from the last segment back to the first,
+        each one runs forward under autograd over the entries before it and backward with its share of the loss and
+        the gradient the later segments left on its own entries. The member's own tokens get their whole gradient in
+        both prompt-gradient modes; `state`'s entries get theirs as a whole replay would give them (in exact mode, or
+        `state` a continuation). Peak: `state`, the member's entries and their gradient, one segment's graph,
+        checkpointed as the model's layers are. Reentrant checkpointing runs a layer inside no_grad, which would leave
+        the entries a segment records without the graph their gradient needs: segments then run without it, and the
+        load-balancing loss gets no gradient, as in stock under reentrant checkpointing (and as in a whole replay).
+
+        Returns whether every log-prob was finite (a device flag, not read here) and whether the load-balancing loss
+        got no gradient.
         """
         state.check_fresh(weights_version(model))
-        segments = self.member_segments(length)
-        tokens = MemberTokens.of(last_prompt_token, completion[None], torch.tensor([length]), self.device(model))
-        segmented = state.continuation(segments[-1][0])
+        pieces = segments(first, max(length, 1) + 1, self.replay_segment_size)
         reentrant = reentrant_checkpointing(model)
-        routing_detached = reentrant and router_weights is not None
+        segmented = len(pieces) > 1
+        continued = state.continuation(pieces[-1][0] - first) if segmented else state
+        offset = -first if segmented else offset
+        routing_detached = segmented and reentrant and router_weights is not None
         if routing_detached:
             warn_routing_detached()
         finite = []
-        layers = no_layer_checkpointing(model) if reentrant else checkpointed_layers_keep_the_state(model)
+        layers = (
+            no_layer_checkpointing(model) if segmented and reentrant else checkpointed_layers_keep_the_state(model)
+        )
         with layers:
-            with torch.no_grad(), autocast():
-                for index, (start, end) in enumerate(segments[:-1]):
-                    self._forward_tokens(model, segmented, "capture", tokens, slice(start, end), index)
-            segmented.requires_grad_()
-            for index in reversed(range(len(segments))):
-                start, end = segments[index]
-                last = index == len(segments) - 1
+            if segmented:
+                with torch.no_grad(), autocast():
+                    for index, (start, end) in enumerate(pieces[:-1]):
+                        self._forward_tokens(model, continued, "capture", tokens, slice(start, end), index, offset)
+                continued.requires_grad_()
+            for index in reversed(range(len(pieces))):
+                start, end = pieces[index]
+                last = index == len(pieces) - 1
                 with autocast():
                     access, logps, entropies, load = self._forward_tokens(
-                        model, segmented, "read" if last else "recompute", tokens, slice(start, end), index
+                        model, continued, "read" if last else "recompute", tokens, slice(start, end), index, offset
                     )
-                scored = min(end, length) - start  # the segment's tokens with a label (the last input has none)
-                logps = logps[0, :scored]
-                finite.append(torch.isfinite(logps.detach()).all())
-                pairs = [(logps, grad_logps[start : start + scored].to(logps))]
-                if grad_entropies is not None:
-                    if entropies is None:
-                        raise RuntimeError(
-                            "the loss uses entropies but the model's fused LM head does not compute them"
-                        )
-                    pairs.append((entropies[0, :scored], grad_entropies[start : start + scored].to(entropies)))
+                scored = max(min(end, length) - start, 0)  # the piece's tokens with a label (the last input has none)
+                pairs = self._loss_pairs(logps, entropies, load, grad_logps, grad_entropies, start, scored)
+                finite.append(torch.isfinite(pairs[0][0].detach()).all())
                 if router_weights is not None and not routing_detached:
                     objective = load.objective(router_weights)
-                    pairs.append((objective, torch.ones_like(objective)))
+                    if not objective.requires_grad:  # the whole member under reentrant checkpointing
+                        routing_detached = True
+                        warn_routing_detached()
+                    else:
+                        pairs.append((objective, torch.ones_like(objective)))
                 if not last:  # the gradient the later segments left on this segment's entries
-                    pairs += [
-                        pair
-                        for layer_state, recorded in access.recorded.items()
-                        for pair in layer_state.recompute_pairs(recorded, index, start, end)
-                    ]
-                pairs = [(tensor, grad) for tensor, grad in pairs if tensor.requires_grad]
-                if pairs:
-                    torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
+                    pairs += access_pairs(access, index, start - first, end - first)
+                backward_pairs(pairs)
         return torch.stack(finite).all(), routing_detached
+
+    @staticmethod
+    def _loss_pairs(logps, entropies, load, grad_logps, grad_entropies, start: int, scored: int) -> list:
+        """(output, gradient) pairs of a forward's first `scored` log-probs (and entropies) with the loss's gradient
+        of tokens `start .. start + scored - 1` (`grad_logps`, `grad_entropies` indexed by token)."""
+        logps = logps[0, :scored]
+        pairs = [(logps, grad_logps[start : start + scored].to(logps))]
+        if grad_entropies is not None:
+            if entropies is None:
+                raise RuntimeError("the loss uses entropies but the model's fused LM head does not compute them")
+            pairs.append((entropies[0, :scored], grad_entropies[start : start + scored].to(entropies)))
+        return pairs
+
+    def shared_spans(self, completions: torch.Tensor, lengths: list[int]) -> list[PrefixNode]:
+        """The spans of `SHARED_SPAN_TOKENS` tokens or more that two or more of a group's members predict alike
+        (`segments.prefix_tree` over their labels: each member's completion, then `IGNORED`)."""
+        labels = [
+            completions[member, :length].tolist() + [IGNORED] if length > 0 else []
+            for member, length in enumerate(lengths)
+        ]
+        return prefix_tree(labels, SHARED_SPAN_TOKENS)
+
+    def _replay_shared(
+        self, model, parent, node: PrefixNode, last_prompt_token, completions, lengths, grad_logps, grad_entropies,
+        router_weights, autocast,
+    ) -> tuple[dict[int, torch.Tensor], bool]:  # fmt: skip
+        """The update of the members below `node`, whose tokens `node.start .. node.end - 1` they feed and predict
+        alike: the span captured once without autograd into a continuation of `parent` (the prompt state, or the
+        node above's), its entries made autograd leaves; the nodes below and the members that go on alone
+        (`replay_member`) updated from it; then the span's segments, last first, forward under autograd and backward
+        with the sum of its members' shares of the loss (the load-balancing loss's once per member: each member's row
+        carries the span) and the gradient the members left on its entries. Returns each member's finiteness flag
+        (its own tokens' and every span's above it) and whether the load-balancing loss got no gradient."""
+        owner = node.members[0]
+        device = self.device(model)
+        row = lambda member: MemberTokens.of(
+            last_prompt_token, completions[member][None], torch.tensor([lengths[member]]), device
+        )
+        tokens = row(owner)
+        pieces = segments(node.start, node.end, self.replay_segment_size)
+        span = parent.continuation(node.end - node.start)
+        with torch.no_grad(), autocast():
+            for index, (start, end) in enumerate(pieces):
+                self._forward_tokens(model, span, "capture", tokens, slice(start, end), index, -node.start)
+        span.requires_grad_()
+        flags, routing_detached = {}, False
+        for child in node.children:
+            below, detached = self._replay_shared(
+                model, span, child, last_prompt_token, completions, lengths, grad_logps, grad_entropies,
+                router_weights, autocast,
+            )  # fmt: skip
+            flags.update(below)
+            routing_detached = routing_detached or detached
+        for member in node.leaves:
+            length = lengths[member]
+            flags[member], detached = self.replay_member(
+                model, span, -node.start, row(member), node.end, length, grad_logps[member, :length],
+                None if grad_entropies is None else grad_entropies[member, :length], router_weights, autocast,
+            )  # fmt: skip
+            routing_detached = routing_detached or detached
+        finite = []
+        summed_logps = grad_logps[node.members].sum(dim=0)
+        summed_entropies = None if grad_entropies is None else grad_entropies[node.members].sum(dim=0)
+        reentrant = reentrant_checkpointing(model)
+        routing_detached = routing_detached or (reentrant and router_weights is not None)
+        layers = no_layer_checkpointing(model) if reentrant else checkpointed_layers_keep_the_state(model)
+        with layers:
+            for index in reversed(range(len(pieces))):
+                start, end = pieces[index]
+                with autocast():
+                    access, logps, entropies, load = self._forward_tokens(
+                        model, span, "recompute", tokens, slice(start, end), index, -node.start
+                    )
+                pairs = self._loss_pairs(logps, entropies, load, summed_logps, summed_entropies, start, end - start)
+                finite.append(torch.isfinite(pairs[0][0].detach()).all())
+                if router_weights is not None and not routing_detached:
+                    objective = load.objective(router_weights * len(node.members))
+                    pairs.append((objective, torch.ones_like(objective)))
+                pairs += access_pairs(access, index, start - node.start, end - node.start)
+                backward_pairs(pairs)
+        span_finite = torch.stack(finite).all()
+        return {member: flag & span_finite for member, flag in flags.items()}, routing_detached
 
     def stand_in(self, model: nn.Module, state: PromptState, last_prompt_token, completion) -> None:
         """A replay that adds nothing (one token, zero gradient), for a round where this process has no member while
