@@ -118,14 +118,18 @@ class PeakTracker:
 # ------------------------------------------------------------------------------------------------------------------
 # Model, inputs, trainer
 # ------------------------------------------------------------------------------------------------------------------
-def synthetic_group(vocab_size: int, prompt_length: int, group_size: int, completion_length: int, seed: int, device):
-    """One group: a P-token prompt shared by G rows, G completions of R tokens, nonzero zero-mean advantages."""
+def synthetic_group(
+    vocab_size: int, prompt_length: int, group_size: int, completion_length: int, seed: int, device, shared_prefix=0
+):
+    """One group: a P-token prompt shared by G rows, G completions of R tokens (their first `shared_prefix` alike),
+    nonzero zero-mean advantages."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.randint(2, vocab_size, (prompt_length,), generator=generator)
     prompt_ids = prompt[None].expand(group_size, -1).clone()
     completion_ids = torch.randint(2, vocab_size, (group_size, completion_length), generator=generator)
+    completion_ids[:, :shared_prefix] = completion_ids[0, :shared_prefix]
     rewards = torch.randn(group_size, generator=generator)
     advantages = rewards - rewards.mean()
     advantages = torch.where(advantages.abs() < 1e-3, torch.full_like(advantages, 0.1), advantages)
@@ -197,6 +201,8 @@ def build_trainer(args, model, tokenizer, output_dir):
         processing_class=tokenizer,
     )
     trainer.current_gradient_accumulation_steps = G if serialized else 1
+    if longstraw and args.no_shared_spans:
+        trainer.engine.shared_span_tokens = None
     if args.gc:
         # Trainer turns activation checkpointing on in `train()`, which this benchmark never calls: do what it does.
         kwargs = dict(trainer.args.activation_checkpointing_kwargs or {})
@@ -324,6 +330,14 @@ def parse_args(argv=None):
         default=None,
         help="LongStraw modes: replay (and score) members longer than this in segments (default: whole)",
     )
+    parser.add_argument(
+        "--shared-prefix", type=int, default=0, help="the completions' first tokens alike (a shared turn), this many"
+    )
+    parser.add_argument(
+        "--no-shared-spans",
+        action="store_true",
+        help="LongStraw modes: replay every member from the prompt, never a span members share once",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--dtype",
@@ -358,6 +372,8 @@ def run(args) -> dict:
         "G": G,
         "R": R,
         "replay_segment_size": args.replay_segment_size,
+        "shared_prefix": args.shared_prefix,
+        "shared_spans": not args.no_shared_spans,
         "gradient_checkpointing": args.gc,
         "beta": args.beta,
         "loss_type": args.loss_type,
@@ -437,7 +453,7 @@ def run(args) -> dict:
             model.zero_grad(set_to_none=True)
             if hasattr(trainer, "_telemetry"):
                 trainer._telemetry.flush()
-        inputs = synthetic_group(vocab, P, G, R, args.seed, device)
+        inputs = synthetic_group(vocab, P, G, R, args.seed, device, args.shared_prefix)
         tracker = PeakTracker(device)
         gc.collect()
         _malloc_trim()

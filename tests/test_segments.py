@@ -8,10 +8,10 @@ import pytest
 import torch
 from trl import GRPOTrainer
 
-import trl_longstraw.engine as engine_module
 from trl_longstraw import LongStrawGRPOConfig
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine
+from trl_longstraw.groups import PromptGroup
 from trl_longstraw.load_balancing import moe_routing
 from trl_longstraw.segments import prefix_tree
 from trl_longstraw.state import PromptState
@@ -303,11 +303,17 @@ def test_shared_spans_are_found_from_the_labels(labels, min_tokens, spans):
 def tree_update(family, prompt_gradient, segment_size, share: bool, monkeypatch, routed=False):
     """The tree members' update through the engine, their shared spans run once (`share`) or each member alone; with
     `routed`, the MoE load-balancing loss's gradient too (random weights per expert)."""
-    monkeypatch.setattr(engine_module, "SHARED_SPAN_TOKENS", 2 if share else 10**9)
     model = prepared(model_of(family))
     prompt, completions, lengths, grad_logps, grad_entropies = tree_members()
     routing = moe_routing(model) if routed else None
-    engine = LongStrawEngine(8, 5, prompt_gradient=prompt_gradient, replay_segment_size=segment_size, routing=routing)
+    engine = LongStrawEngine(
+        8,
+        5,
+        prompt_gradient=prompt_gradient,
+        replay_segment_size=segment_size,
+        routing=routing,
+        shared_span_tokens=2 if share else None,
+    )
     router_weights = None
     if routed:
         router_weights = torch.randn(routing.num_experts, generator=torch.Generator().manual_seed(3)).double()
@@ -369,3 +375,27 @@ def test_a_tree_counts_each_members_routing_of_a_shared_span(monkeypatch):
     alone, _ = tree_update("qwen3_moe", "exact", None, False, monkeypatch, routed=True)
     assert continued
     assert global_relative_error(shared, alone) <= 1e-6
+
+
+@pytest.mark.parametrize("segment_size", [None, 3])
+@pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v32", "qwen3_moe"])
+def test_a_tree_scores_every_member_as_it_scores_alone(family, segment_size):
+    """Spans scored once for the members below them, each member's own tokens from its deepest span: the scores, the
+    entropies and (MoE) the rows' router load equal each member's own scoring."""
+    model = prepared(model_of(family))
+    prompt, completions, lengths, _, _ = tree_members()
+    routing = moe_routing(model) if family == "qwen3_moe" else None
+    group = PromptGroup(0, list(range(len(lengths))), prompt, 0, lengths)
+    scores = []
+    for share in (2, None):
+        engine = LongStrawEngine(8, 5, replay_segment_size=segment_size, routing=routing, shared_span_tokens=share)
+        state = engine.capture(model, prompt, 0)
+        with torch.no_grad():
+            scores.append(engine.score_group(model, state, group, completions, router_load=routing is not None))
+    shared, alone = scores
+    assert torch.allclose(shared.logps, alone.logps, rtol=0, atol=1e-6)
+    assert torch.allclose(shared.entropies, alone.entropies, rtol=0, atol=1e-6)
+    if routing is not None:
+        assert torch.allclose(shared.router_load.probs, alone.router_load.probs, rtol=1e-9)
+        assert torch.equal(shared.router_load.counts, alone.router_load.counts)
+        assert shared.router_load.rows == alone.router_load.rows

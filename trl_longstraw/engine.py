@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 _optimizer_steps = 0
 # A span two or more members of a group feed and predict alike is run once for them from this many tokens on: a shorter
-# one saves less than the forward and backward of its own it costs.
+# one saves less than the forward and backward of its own it costs (`LongStrawEngine.shared_span_tokens`).
 SHARED_SPAN_TOKENS = 64
 
 
@@ -379,6 +379,8 @@ class LongStrawEngine:
             `context_parallel.ContextParallel` over a CP group).
         replay_segment_size: a member whose replay (its completion and the last prompt token) is longer is scored
             and replayed in segments of this many tokens (`member_segments`); None: every member whole.
+        shared_span_tokens: spans of at least this many tokens that members of a group feed and predict alike are
+            run once for all of them (`shared_spans`); None: every member from the prompt.
     """
 
     prefill_chunk_size: int
@@ -389,6 +391,7 @@ class LongStrawEngine:
     routing: MoeRouting | None = None
     distribution: Distribution = field(default_factory=Local)
     replay_segment_size: int | None = None
+    shared_span_tokens: int | None = SHARED_SPAN_TOKENS
 
     @staticmethod
     def device(model: nn.Module) -> torch.device:
@@ -489,22 +492,29 @@ class LongStrawEngine:
         """`member_forward`'s scores of `completions [n, T]`, no grad; a single member longer than one segment
         (`member_segments`) is scored segment by segment: each one's state captured into a continuation of `state`
         that the later segments read, so the scoring holds one segment's activations, never the member's."""
-        segments = self.member_segments(int(lengths.max())) if len(completions) == 1 else [()]
-        if len(segments) == 1:
+        if len(completions) > 1 or len(self.member_segments(int(lengths.max()))) == 1:
             return self.member_forward(model, state, last_prompt_token, completions, lengths)
         state.check_fresh(weights_version(model))
         tokens = MemberTokens.of(last_prompt_token, completions, lengths, self.device(model))
-        segmented = state.continuation(segments[-1][0])
+        return self._score_member(model, state, state.num_tokens, tokens, 0, int(lengths.max()))
+
+    def _score_member(self, model, state, offset: int, tokens: MemberTokens, first: int, length: int):
+        """No-grad scores of one member's tokens `first ..` (`tokens`, one row of `length` completion tokens; its
+        token 0 is entry `offset` of `state`): `[1, width - first]` log-probs and entropies and its router load, in
+        segments (`segments.segments`) captured into a continuation of `state` where it is longer than one."""
+        pieces = segments(first, max(length, 1) + 1, self.replay_segment_size)
+        continued = state.continuation(pieces[-1][0] - first) if len(pieces) > 1 else state
+        offset = -first if len(pieces) > 1 else offset
         logps, entropies, load = [], [], None
-        for index, (start, end) in enumerate(segments):
-            mode = "read" if index == len(segments) - 1 else "capture"
+        for index, (start, end) in enumerate(pieces):
+            mode = "read" if index == len(pieces) - 1 else "capture"
             _, part_logps, part_entropies, part_load = self._forward_tokens(
-                model, segmented, mode, tokens, slice(start, end), index, 0
+                model, continued, mode, tokens, slice(start, end), index, offset
             )
             logps.append(part_logps)
             entropies.append(part_entropies)
             load = part_load if load is None else load + part_load
-        width = tokens.width
+        width = tokens.width - first
         logps = torch.cat(logps, dim=1)[:, :width]
         return logps, None if entropies[0] is None else torch.cat(entropies, dim=1)[:, :width], load
 
@@ -577,11 +587,94 @@ class LongStrawEngine:
         from G = 2 to 16 at P = 8K). With `router_load`, the rows' load: each of stock's rows carries the prompt, so
         the captured prompt's load counts once per row, beside the members' own."""
         lengths = torch.tensor(group.completion_lengths)
+        tree = [] if self.distribution.lockstep else self.shared_spans(completions, group.completion_lengths)
+        shared = sorted(member for node in tree for member in node.members)
+        alone = [member for member in range(len(completions)) if member not in shared]
+        if router_load and self.routing is None:
+            raise ValueError("router_load=True needs an engine built with the model's routing")
         logps, entropies, *members_load = self.score(
-            model, state, group.prompt_ids[-1:], completions, lengths, batch_size=1, router_load=router_load
-        )
-        load = state.router_load.times(len(group.rows)) + members_load[0] if router_load else None
+            model, state, group.prompt_ids[-1:], completions[alone], lengths[alone], batch_size=1, router_load=router_load
+        ) if alone else (None, None, None)  # fmt: skip
+        if shared:
+            logps, entropies, members_load = self._score_tree(
+                model, state, tree, group, completions, alone, logps, entropies, members_load
+            )
+        load = None
+        if router_load:
+            load = state.router_load.times(len(group.rows))
+            load = load if members_load[0] is None else load + members_load[0]
         return GroupScores(logps, entropies, load)
+
+    @torch.no_grad()
+    def _score_tree(self, model, state, tree, group, completions, alone, alone_logps, alone_entropies, alone_load):
+        """`score_group`'s scores where members share spans (`shared_spans`): each span scored once for the members
+        below it (a continuation of the state above it, as `_replay_shared` runs it), each member's own tokens from
+        its deepest span; the members `alone` were scored already (`alone_*`). A span's load counts once per member
+        below it, as each member's row carries it."""
+        state.check_fresh(weights_version(model))
+        device = self.device(model)
+        lengths = group.completion_lengths
+        last_prompt_token = group.prompt_ids[-1:]
+        pieces: dict[int, list] = {member: [] for member in range(len(completions))}  # (first, logps, entropies)
+        loads = []
+
+        def row(member: int) -> MemberTokens:
+            return MemberTokens.of(
+                last_prompt_token, completions[member][None], torch.tensor([lengths[member]]), device
+            )
+
+        def score(parent, node: PrefixNode) -> None:
+            tokens = row(node.members[0])
+            span = parent.continuation(node.end - node.start)
+            for index, (start, end) in enumerate(segments(node.start, node.end, self.replay_segment_size)):
+                _, logps, entropies, load = self._forward_tokens(
+                    model, span, "capture", tokens, slice(start, end), index, -node.start
+                )
+                for member in node.members:
+                    pieces[member].append((start, logps, entropies))
+                if load is not None:
+                    loads.append(load.times(len(node.members)))
+            for child in node.children:
+                score(span, child)
+            for member in node.leaves:
+                logps, entropies, load = self._score_member(
+                    model, span, -node.start, row(member), node.end, lengths[member]
+                )
+                pieces[member].append((node.end, logps, entropies))
+                if load is not None:
+                    loads.append(load)
+
+        for node in tree:
+            score(state, node)
+        for index, member in enumerate(alone):
+            pieces[member].append(
+                (
+                    0,
+                    alone_logps[index : index + 1],
+                    None if alone_entropies is None else alone_entropies[index : index + 1],
+                )
+            )
+        if alone_load and alone_load[0] is not None:
+            loads.append(alone_load[0])
+        first = next(parts[0][1] for parts in pieces.values() if parts)
+        logps = first.new_zeros(completions.shape)
+        entropies = (
+            None
+            if all(parts[0][2] is None for parts in pieces.values() if parts)
+            else first.new_zeros(completions.shape)
+        )
+        for member, parts in pieces.items():
+            for start, part_logps, part_entropies in parts:
+                width = (
+                    min(part_logps.shape[1], lengths[member] - start) if member not in alone else part_logps.shape[1]
+                )
+                logps[member, start : start + width] = part_logps[0, :width]
+                if entropies is not None and part_entropies is not None:
+                    entropies[member, start : start + width] = part_entropies[0, :width]
+        load = None
+        for part in loads:
+            load = part if load is None else load + part
+        return logps, entropies, [load]
 
     def update_group(
         self,
@@ -780,13 +873,15 @@ class LongStrawEngine:
         return pairs
 
     def shared_spans(self, completions: torch.Tensor, lengths: list[int]) -> list[PrefixNode]:
-        """The spans of `SHARED_SPAN_TOKENS` tokens or more that two or more of a group's members predict alike
+        """The spans of `shared_span_tokens` tokens or more that two or more of a group's members predict alike
         (`segments.prefix_tree` over their labels: each member's completion, then `IGNORED`)."""
+        if self.shared_span_tokens is None:
+            return []
         labels = [
             completions[member, :length].tolist() + [IGNORED] if length > 0 else []
             for member, length in enumerate(lengths)
         ]
-        return prefix_tree(labels, SHARED_SPAN_TOKENS)
+        return prefix_tree(labels, self.shared_span_tokens)
 
     def _replay_shared(
         self, model, parent, node: PrefixNode, last_prompt_token, completions, lengths, grad_logps, grad_entropies,
