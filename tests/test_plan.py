@@ -141,7 +141,10 @@ def test_activation_checkpointing_is_suggested_where_it_fits_alone():
 
 def test_where_no_single_setting_fits_the_fewest_that_do_together_are_searched(capsys):
     config = tiny_config("qwen3")
-    setup = dataclasses.replace(LONG_PROMPT, activation_checkpointing=False, completion_tokens=8192)
+    # members already in the smallest segments the suggestions go down to: no segment size is suggested
+    setup = dataclasses.replace(
+        LONG_PROMPT, activation_checkpointing=False, completion_tokens=8192, replay_segment_size=512
+    )
     both = {"state_device": "cpu", "activation_checkpointing": True}
     alone = min(
         plan_run(config, dataclasses.replace(setup, **{key: value})).device_bytes for key, value in both.items()
