@@ -38,12 +38,13 @@ def model_of(family, dtype=torch.float64):
 
 
 def members(dtype=torch.float64):
+    """A prompt, members of `LENGTHS` tokens, and the loss's gradients of their log-probs and entropies."""
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(2, 90, (21,), generator=generator)
     completions = torch.randint(2, 90, (len(LENGTHS), max(LENGTHS)), generator=generator)
     grad_logps = torch.randn(completions.shape, generator=generator, dtype=dtype)
     grad_entropies = torch.randn(completions.shape, generator=generator, dtype=dtype)
-    return prompt, completions, grad_logps, grad_entropies
+    return prompt, completions, LENGTHS, grad_logps, grad_entropies
 
 
 def engine_update(family, prompt_gradient, segment_size, checkpointing=None):
@@ -53,7 +54,7 @@ def engine_update(family, prompt_gradient, segment_size, checkpointing=None):
     if checkpointing is not None:
         model.activation_checkpointing_enable({"use_reentrant": checkpointing == "reentrant"})
         model.train()
-    prompt, completions, grad_logps, grad_entropies = members()
+    prompt, completions, _, grad_logps, grad_entropies = members()
     engine = LongStrawEngine(
         prefill_chunk_size=8,
         attention_chunk_size=5,
@@ -71,14 +72,14 @@ def engine_update(family, prompt_gradient, segment_size, checkpointing=None):
     return logps, entropies, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
-def stock_gradients(family):
-    """One full forward of prompt + completion per member, under autograd: stock GRPOTrainer's path."""
+def stock_gradients(family, group=members):
+    """One full forward of prompt + completion per member of `group()`, under autograd: stock GRPOTrainer's path."""
     model = model_of(family)
     model.set_attn_implementation("eager")
     model = prepared(model)
     model.set_attn_implementation("eager")
-    prompt, completions, grad_logps, grad_entropies = members()
-    for row, length in enumerate(LENGTHS):
+    prompt, completions, lengths, grad_logps, grad_entropies = group()
+    for row, length in enumerate(lengths):
         ids = torch.cat([prompt, completions[row, :length]])[None]
         labels = ids.masked_fill(torch.arange(ids.shape[1]) < prompt.numel(), -100)
         out = model(input_ids=ids, labels=labels, fused_lm_head=True)
@@ -333,22 +334,6 @@ def tree_update(family, prompt_gradient, segment_size, share: bool, monkeypatch,
     return grads, continued
 
 
-def stock_tree_gradients(family):
-    model = model_of(family)
-    model.set_attn_implementation("eager")
-    model = prepared(model)
-    model.set_attn_implementation("eager")
-    prompt, completions, lengths, grad_logps, grad_entropies = tree_members()
-    for row, length in enumerate(lengths):
-        ids = torch.cat([prompt, completions[row, :length]])[None]
-        labels = ids.masked_fill(torch.arange(ids.shape[1]) < prompt.numel(), -100)
-        out = model(input_ids=ids, labels=labels, fused_lm_head=True)
-        objective = (out.log_probs[0, -length:] * grad_logps[row, :length]).sum()
-        objective = objective + (out.entropy[0, -length:] * grad_entropies[row, :length]).sum()
-        objective.backward()
-    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("segment_size", [None, 3])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "nemotron_h", "deepseek_v32"])
 def test_a_tree_of_shared_spans_gives_stock_gradients(family, segment_size, monkeypatch):
@@ -356,7 +341,7 @@ def test_a_tree_of_shared_spans_gives_stock_gradients(family, segment_size, monk
     of 3 or whole; the members' own tokens from them."""
     grads, continued = tree_update(family, "exact", segment_size, True, monkeypatch)
     assert sorted(continued)[-3:] == [3, 4, 6] if segment_size is None else 6 in continued
-    assert global_relative_error(grads, stock_tree_gradients(family)) <= 1e-6
+    assert global_relative_error(grads, stock_gradients(family, tree_members)) <= 1e-6
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "deepseek_v32"])

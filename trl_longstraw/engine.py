@@ -778,13 +778,12 @@ class LongStrawEngine:
                 model, state, state.num_tokens, tokens, 0, length, *grads, router_weights, autocast
             )
             routing_detached = routing_detached or detached
-        for node in tree:
-            below, detached = self._replay_shared(
-                model, state, node, last_prompt_token, completions, lengths, grad_logps, grad_entropies,
-                router_weights, autocast,
-            )  # fmt: skip
-            flags.update(below)
-            routing_detached = routing_detached or detached
+        below, detached = self._replay_spans(
+            model, state, tree, last_prompt_token, completions, lengths, grad_logps, grad_entropies, router_weights,
+            autocast,
+        )  # fmt: skip
+        flags.update(below)
+        routing_detached = routing_detached or detached
         finite = torch.stack([flags[member] for member in replayed]) if replayed else torch.ones(0, dtype=torch.bool)
         return ReplayedMembers(replayed, finite, routing_detached)
 
@@ -883,6 +882,16 @@ class LongStrawEngine:
         ]
         return prefix_tree(labels, self.shared_span_tokens)
 
+    def _replay_spans(self, model, parent, nodes: list[PrefixNode], *group) -> tuple[dict[int, torch.Tensor], bool]:
+        """`_replay_shared` of each of `nodes` from `parent`: every member's finiteness flag, and whether the
+        load-balancing loss got no gradient."""
+        flags, routing_detached = {}, False
+        for node in nodes:
+            below, detached = self._replay_shared(model, parent, node, *group)
+            flags.update(below)
+            routing_detached = routing_detached or detached
+        return flags, routing_detached
+
     def _replay_shared(
         self, model, parent, node: PrefixNode, last_prompt_token, completions, lengths, grad_logps, grad_entropies,
         router_weights, autocast,
@@ -906,14 +915,10 @@ class LongStrawEngine:
             for index, (start, end) in enumerate(pieces):
                 self._forward_tokens(model, span, "capture", tokens, slice(start, end), index, -node.start)
         span.requires_grad_()
-        flags, routing_detached = {}, False
-        for child in node.children:
-            below, detached = self._replay_shared(
-                model, span, child, last_prompt_token, completions, lengths, grad_logps, grad_entropies,
-                router_weights, autocast,
-            )  # fmt: skip
-            flags.update(below)
-            routing_detached = routing_detached or detached
+        flags, routing_detached = self._replay_spans(
+            model, span, node.children, last_prompt_token, completions, lengths, grad_logps, grad_entropies,
+            router_weights, autocast,
+        )  # fmt: skip
         for member in node.leaves:
             length = lengths[member]
             flags[member], detached = self.replay_member(
