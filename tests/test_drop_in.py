@@ -263,11 +263,24 @@ def test_tool_calling_trains_like_stock(source, replay_segment_size, tool_callin
 
 
 @pytest.mark.slow
-def test_bf16_autocast_is_as_close_to_stock_as_stock_bf16(saved_model, tokenizer, prompt_dataset, tmp_path):
+@pytest.mark.parametrize("replay_segment_size", [None, 2])
+def test_bf16_autocast_is_as_close_to_stock_as_stock_bf16(
+    replay_segment_size, saved_model, tokenizer, prompt_dataset, tmp_path
+):
+    """Under autocast, whole members and members in segments of 2 (captured and replayed in bf16 alike)."""
     args = {"max_steps": 1, "per_device_train_batch_size": 3, "gradient_accumulation_steps": 2}
     stock_fp32 = train_run(GRPOTrainer, saved_model, tokenizer, prompt_dataset, tmp_path / "fp32", **args)
     stock_bf16 = train_run(GRPOTrainer, saved_model, tokenizer, prompt_dataset, tmp_path / "bf16", bf16=True, **args)
-    ours_bf16 = train_run(LongStrawGRPOTrainer, saved_model, tokenizer, prompt_dataset, tmp_path, bf16=True, **args)
+    ours_bf16 = train_run(
+        LongStrawGRPOTrainer,
+        saved_model,
+        tokenizer,
+        prompt_dataset,
+        tmp_path,
+        bf16=True,
+        replay_segment_size=replay_segment_size,
+        **args,
+    )
     assert ours_bf16[2] == stock_bf16[2]  # bf16 generation is stock's: same samples
     stock_error = abs(stock_bf16[0][0]["grad_norm"] - stock_fp32[0][0]["grad_norm"])
     our_error = abs(ours_bf16[0][0]["grad_norm"] - stock_fp32[0][0]["grad_norm"])

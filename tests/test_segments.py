@@ -137,6 +137,25 @@ def test_segmented_replay_under_activation_checkpointing_gives_stock_gradients(f
     assert global_relative_error(grads, stock_gradients(family)) <= 1e-6
 
 
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v32"])
+def test_segments_continue_a_prompt_state_of_fp8_pages(family):
+    """fp8 prompt pages (detach mode) dequantised as read beside a member's own entries in the model's dtype: the
+    scores and gradients of a whole replay from the same fp8 state."""
+    results = []
+    for size in (None, SEGMENT):
+        model = prepared(model_of(family, torch.float32))
+        prompt, completions, lengths, grad_logps, grad_entropies = members(torch.float32)
+        engine = LongStrawEngine(8, 5, prompt_state_dtype="float8_e4m3fn", replay_segment_size=size)
+        state = engine.capture(model, prompt, 0)
+        with torch.no_grad():
+            logps, _ = engine.score(model, state, prompt[-1:], completions, torch.tensor(lengths), batch_size=1)
+        engine.replay_group(model, state, prompt[-1:], completions, lengths, grad_logps, grad_entropies)
+        results.append((logps, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
+    (whole_logps, whole), (logps, grads) = results
+    assert torch.allclose(logps, whole_logps, rtol=0, atol=1e-5)
+    assert global_relative_error(grads, whole) <= 1e-4
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_segmented_detach_replay_gives_the_whole_replays_gradients(family):
     """Detach holds the prompt constant, never the member's own earlier tokens: their gradient is carried back."""
