@@ -86,15 +86,15 @@ def test_simulated_phase_peaks_equal_the_real_tracked_peaks(family, mode):
 
 
 def test_simulated_segmented_replay_peaks_equal_the_real_tracked_peaks():
-    """Members of 47 tokens in segments of 8 (exact mode, the GatedDeltaNet hybrid: attention pages and recurrent
-    states continued): the scoring and the replay walk six segments, the replay holding the earlier segments' state
+    """Members of 23 tokens in segments of 8 (exact mode, the GatedDeltaNet hybrid: attention pages and recurrent
+    states continued): the scoring and the replay walk three segments, the replay holding the earlier segments' state
     and its gradient beside one segment's graph, less than a whole replay's."""
     family = "hybrid"
-    segmented = {"completion_tokens": 47, "replay_segment_size": 8}
+    segmented = {"completion_tokens": 23, "replay_segment_size": 8}
     real = run(validation_spec(family, "exact", fake=False, **segmented))
     fake = run(validation_spec(family, "exact", fake=True, **segmented))
     assert_same_phase_peaks(fake, real, "segments")
-    whole = run(validation_spec(family, "exact", fake=True, completion_tokens=47))
+    whole = run(validation_spec(family, "exact", fake=True, completion_tokens=23))
     assert real["phases"]["replay"]["peak_gib"] < whole["phases"]["replay"]["peak_gib"]
 
 
