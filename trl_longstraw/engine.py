@@ -1004,12 +1004,8 @@ class LongStrawEngine:
         access, load, outputs = self.backbone_forward(
             model, state, "recompute", prompt_ids[start:end], start, chunk_index
         )
-        entries = (state.local_prefix(start), state.local_prefix(end))  # the chunk's entries held here
-        pairs = [
-            pair
-            for layer_state, recorded in access.recorded.items()
-            for pair in layer_state.recompute_pairs(recorded, chunk_index, *entries)
-        ]
+        # the chunk's entries held here
+        pairs = access_pairs(access, chunk_index, state.local_prefix(start), state.local_prefix(end))
         if router_weights is not None:
             pairs.append((load.objective(router_weights), torch.ones((), device=load.probs.device)))
         if isinstance(model, FSDPModule):
@@ -1021,8 +1017,4 @@ class LongStrawEngine:
             # every rank's backward must reach every layer's attention, whose backward is a collective, whatever
             # gradients its own entries hold: a zero gradient through the outputs (the residual stream) does
             pairs.append((outputs.last_hidden_state, torch.zeros_like(outputs.last_hidden_state)))
-        # An entry computed from frozen parameters alone (the first layer's keys under LoRA on q_proj/v_proj, PEFT's
-        # default targets) has a gradient but no graph: nothing it could push that gradient into trains.
-        pairs = [(tensor, grad) for tensor, grad in pairs if tensor.requires_grad]
-        if pairs:
-            torch.autograd.backward([tensor for tensor, _ in pairs], [grad for _, grad in pairs])
+        backward_pairs(pairs)
