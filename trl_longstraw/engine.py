@@ -34,6 +34,7 @@ from .attention import ATTENTION_IMPLEMENTATION, STATE_KWARG, register_attention
 from .experts import EXPERTS_IMPLEMENTATION, lora_experts, register_experts
 from .groups import PromptGroup
 from .load_balancing import MoeRouting, RouterLoad, recorded_router_logits
+from .loss import loss_pairs
 from .segments import IGNORED, PrefixNode, prefix_tree, segments
 from .state import PromptState, StateAccess, UnpreparedModelError, plan_layers
 from .state.suffix import Suffix
@@ -845,7 +846,7 @@ class LongStrawEngine:
                         model, continued, "read" if last else "recompute", tokens, slice(start, end), index, offset
                     )
                 scored = max(min(end, length) - start, 0)  # the piece's tokens with a label (the last input has none)
-                pairs = self._loss_pairs(logps, entropies, load, grad_logps, grad_entropies, start, scored)
+                pairs = self._loss_pairs(logps, entropies, grad_logps, grad_entropies, start, scored)
                 finite.append(torch.isfinite(pairs[0][0].detach()).all())
                 if router_weights is not None and not routing_detached:
                     objective = load.objective(router_weights)
@@ -860,16 +861,15 @@ class LongStrawEngine:
         return torch.stack(finite).all(), routing_detached
 
     @staticmethod
-    def _loss_pairs(logps, entropies, load, grad_logps, grad_entropies, start: int, scored: int) -> list:
-        """(output, gradient) pairs of a forward's first `scored` log-probs (and entropies) with the loss's gradient
-        of tokens `start .. start + scored - 1` (`grad_logps`, `grad_entropies` indexed by token)."""
-        logps = logps[0, :scored]
-        pairs = [(logps, grad_logps[start : start + scored].to(logps))]
-        if grad_entropies is not None:
-            if entropies is None:
-                raise RuntimeError("the loss uses entropies but the model's fused LM head does not compute them")
-            pairs.append((entropies[0, :scored], grad_entropies[start : start + scored].to(entropies)))
-        return pairs
+    def _loss_pairs(logps, entropies, grad_logps, grad_entropies, start: int, scored: int) -> list:
+        """`loss.loss_pairs` of a forward's first `scored` log-probs (and entropies) with the loss's gradient of
+        tokens `start .. start + scored - 1` (`grad_logps`, `grad_entropies` indexed by token)."""
+        return loss_pairs(
+            logps[0, :scored],
+            None if entropies is None else entropies[0, :scored],
+            grad_logps[start : start + scored],
+            None if grad_entropies is None else grad_entropies[start : start + scored],
+        )
 
     def shared_spans(self, completions: torch.Tensor, lengths: list[int]) -> list[PrefixNode]:
         """The spans of `shared_span_tokens` tokens or more that two or more of a group's members predict alike
@@ -939,7 +939,7 @@ class LongStrawEngine:
                     access, logps, entropies, load = self._forward_tokens(
                         model, span, "recompute", tokens, slice(start, end), index, -node.start
                     )
-                pairs = self._loss_pairs(logps, entropies, load, summed_logps, summed_entropies, start, end - start)
+                pairs = self._loss_pairs(logps, entropies, summed_logps, summed_entropies, start, end - start)
                 finite.append(torch.isfinite(pairs[0][0].detach()).all())
                 if router_weights is not None and not routing_detached:
                     objective = load.objective(router_weights * len(node.members))

@@ -57,6 +57,19 @@ def replayed_scores(
     return logps, entropies, None if aux_loss is None else given
 
 
+def loss_pairs(
+    logps: torch.Tensor, entropies: torch.Tensor | None, grad_logps: torch.Tensor, grad_entropies: torch.Tensor | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(output, gradient) pairs of replayed log-probs (and entropies, where the loss reads them) with the loss's
+    gradients, moved to the LM head's device (under `device_map` not the loss's)."""
+    pairs = [(logps, grad_logps.to(logps))]
+    if grad_entropies is not None:
+        if entropies is None:
+            raise RuntimeError("the loss uses entropies but the model's fused LM head does not compute them")
+        pairs.append((entropies, grad_entropies.to(entropies)))
+    return pairs
+
+
 def member_backward(
     logps: torch.Tensor,
     entropies: torch.Tensor | None,
@@ -67,13 +80,7 @@ def member_backward(
     """Back-propagate one replayed member's share of the loss into the parameters (and the prompt-state leaves);
     `router_objective` is its tokens' share of the load-balancing loss (`RouterLoad.objective`), back-propagated
     with gradient 1."""
-    outputs, grads = [logps], [grad_logps.to(logps)]  # the LM head's device, under `device_map` not the loss's
+    pairs = loss_pairs(logps, entropies, grad_logps, grad_entropies)
     if router_objective is not None:
-        outputs.append(router_objective)
-        grads.append(torch.ones_like(router_objective))
-    if grad_entropies is not None:
-        if entropies is None:
-            raise RuntimeError("the loss uses entropies but the model's fused LM head does not compute them")
-        outputs.append(entropies)
-        grads.append(grad_entropies.to(entropies))
-    torch.autograd.backward(outputs, grads)
+        pairs.append((router_objective, torch.ones_like(router_objective)))
+    torch.autograd.backward([output for output, _ in pairs], [grad for _, grad in pairs])
