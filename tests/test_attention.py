@@ -1,8 +1,12 @@
 """The prefix-suffix attention: blocks merged by log-sum-exp as one softmax, its backward from the global output and
 log-sum-exp, the fused CPU kernels against plain torch, visibility, soft-capping and sinks."""
 
+import gc
+import weakref
+
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trl_longstraw import block_attention
@@ -285,6 +289,29 @@ def test_dsa_top_k_agrees_in_float32_with_float64():
         results.append([out.double()] + [t.grad.double() for t in tensors[:5]])
     for single, double in zip(*results, strict=True):
         assert torch.allclose(single, double, atol=2e-5, rtol=1e-4), (single - double).abs().max()
+
+
+def test_dsa_picks_are_freed_by_activation_checkpointing_and_recomputed_for_backward():
+    """The top-k a forward builds is saved for backward, not kept beside it: under non-reentrant checkpointing it
+    dies with the layer's forward (one `[tokens, k]` index tensor per layer otherwise stays for the whole replay), and
+    the backward's recomputed one gives the gradients of the unchecked run."""
+    tensors = inputs(torch.float64)
+    built = []
+
+    def layer(q, prefix_k, prefix_v, own_k, own_v):
+        picked = top_k(6, seed=2)  # made inside the layer, as the DSA indexer's selection is
+        built.append(weakref.ref(picked))
+        return ours(q, prefix_k, prefix_v, own_k, own_v, None, CAUSAL, 4, picked=picked)
+
+    grad_out = torch.randn(BATCH, HEADS, TOKENS, DIM, dtype=torch.float64)
+    want = torch.autograd.grad(layer(*tensors[:5]), tensors[:5], grad_out)
+    out = torch.utils.checkpoint.checkpoint(layer, *tensors[:5], use_reentrant=False)
+    gc.collect()
+    assert built[-1]() is None
+    got = torch.autograd.grad(out, tensors[:5], grad_out)
+    assert len(built) == 3  # the recompute built it again
+    for mine, theirs in zip(got, want, strict=True):
+        assert torch.equal(mine, theirs)
 
 
 @pytest.mark.parametrize("top_k", [False, True])

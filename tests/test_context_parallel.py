@@ -1,6 +1,7 @@
 """Context parallelism on 2 CPU ranks (gloo): one prompt sharded across the ranks gives every rank the single-process
 log-probs and gradients, and each rank keeps about half of the prompt's pages."""
 
+import dataclasses
 import os
 from collections import Counter
 
@@ -413,6 +414,32 @@ def test_more_context_parallel_ranks_score_replay_and_back_propagate_as_one_proc
             assert result["same_parameters"] and result["rank_difference"] == 0.0, case
             assert max(result["grad_errors"].values()) <= 1e-4, case
         assert [rank[case]["held"] for rank in ranks] == [layout.held(rank) for rank in range(world)]
+
+
+def test_the_step_attention_keeps_no_dsa_pick_beside_its_saved_tensors():
+    """What `StepAttention` keeps on `ctx` as a Python attribute (which activation checkpointing cannot free: one
+    `[tokens, k]` int64 pick per rank and layer would stay for the whole replay) holds no top-k; every rank's selection
+    and page picks go through `save_for_backward` and come back as they were."""
+    size, tokens, k = 3, 4, 2
+    positions = tuple(torch.arange(10, 10 + tokens) for _ in range(size))
+    selections = tuple(torch.randint(0, 10, (1, tokens, k)) for _ in range(size))
+    pages = tuple((KeyBlock(torch.arange(10), shared=True, picked=selection),) for selection in selections)
+    call = StepCall(
+        ContextParallelGroup(None, 0, size), None, positions, pages, selections, AttentionScalars(1.0, 4), "rows"
+    )
+    kept, saved = call.without_tensors()
+    assert kept.selections == (None,) * size
+    assert all(block.picked is None for blocks in kept.page_blocks for block in blocks)
+    assert all(isinstance(tensor, torch.Tensor) for tensor in saved) and len(saved) == 2 * size
+    restored = kept.with_tensors(saved)
+    assert all(a is b for a, b in zip(restored.selections, selections, strict=True))
+    for blocks, selection in zip(restored.page_blocks, selections, strict=True):
+        assert blocks[0].picked is selection
+    unpicked = dataclasses.replace(
+        call, selections=None, page_blocks=((KeyBlock(torch.arange(10), shared=True),),) * size
+    )
+    kept, saved = unpicked.without_tensors()
+    assert kept.selections is None and saved == [None] * size and kept.with_tensors(saved) == unpicked
 
 
 def test_a_step_computes_every_query_key_pair_once_in_pieces_of_one_chunk_each():

@@ -227,6 +227,21 @@ class KeyBlock:
     dequantize: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
+def without_picks(blocks: Iterable[KeyBlock]) -> tuple[tuple[KeyBlock, ...], list[torch.Tensor | None]]:
+    """`blocks` without their DSA picks, and the picks (None where a block has none), in order. An autograd function
+    keeps the first on `ctx` and saves the second with `ctx.save_for_backward`, which activation checkpointing frees
+    after the layer's forward and recomputes for its backward; a pick held on `ctx` itself would outlive the layer
+    (one `[tokens, k]` int64 index tensor per layer, and per rank under context parallelism: 2 GiB per layer for a
+    2,049-token replay of GLM-5 on 32 ranks)."""
+    blocks = tuple(blocks)
+    return tuple(replace(block, picked=None) for block in blocks), [block.picked for block in blocks]
+
+
+def with_picks(blocks: tuple[KeyBlock, ...], picks) -> tuple[KeyBlock, ...]:
+    """`without_picks` undone: each block with its pick back."""
+    return tuple(replace(block, picked=picked) for block, picked in zip(blocks, picks, strict=True))
+
+
 class _Fold:
     """How queries `[batch, heads, tokens, ...]` fold into one block's `[groups, rows, ...]` layout: the query heads
     of a kv head become rows, so GQA keys are read once per chunk, never repeated per query head."""
@@ -763,18 +778,21 @@ class BlockAttention(torch.autograd.Function):
             out, lse = blocks_forward(q, q_positions, scalars, blocks, tensors)
             if sinks is not None:
                 out, lse = merge_by_lse(out, lse, torch.zeros_like(out), sinks_partial(sinks, lse))
-        ctx.save_for_backward(q, sinks, q_positions, out, lse, *tensors)
-        ctx.scalars, ctx.blocks = scalars, blocks
+        ctx.blocks, picks = without_picks(blocks)
+        ctx.save_for_backward(q, sinks, q_positions, out, lse, *picks, *tensors)
+        ctx.scalars = scalars
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
-        q, sinks, q_positions, out, lse, *tensors = ctx.saved_tensors
+        q, sinks, q_positions, out, lse, *saved = ctx.saved_tensors
+        picks, tensors = saved[: len(ctx.blocks)], saved[len(ctx.blocks) :]
+        blocks = with_picks(ctx.blocks, picks)
         need_q, need_sinks = ctx.needs_input_grad[:2]
         need = (need_q, *ctx.needs_input_grad[5:])
         with torch.autocast(q.device.type, enabled=False):
             d_out = d_out.to(out.dtype)
-            d_q, grads = blocks_backward(d_out, q, q_positions, out, lse, ctx.scalars, ctx.blocks, tensors, need)
+            d_q, grads = blocks_backward(d_out, q, q_positions, out, lse, ctx.scalars, blocks, tensors, need)
             d_sinks = sinks_gradient(sinks, lse, (d_out * out).sum(-1)) if need_sinks else None
         d_q = d_q.to(q.dtype) if need_q else None
         return (d_q, d_sinks, None, None, None, *grads)

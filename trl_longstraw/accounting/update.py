@@ -33,6 +33,7 @@ NF4_CODE_VALUES = 16  # the NF4 code book, fp32, one copy per quantised weight (
 NESTED_BLOCKSIZE = 256  # double quantisation: absmax values quantised to uint8 in blocks of 256
 NESTED_CODE_VALUES = 256  # double quantisation's 8-bit dynamic code book, fp32, one copy per quantised weight
 FP32_BYTES = 4
+INDEX_BYTES = 8  # int64 token indices
 BF16_BYTES = 2
 
 # Replay-graph estimate, per token and decoder layer, in activation-dtype elements: ACTIVATION_FACTOR x (the inputs
@@ -337,20 +338,25 @@ def step_attention_bytes(
     piece (one chunk's worth in all) and holds every rank's fp32 partials `heads x (dv + 1)` of them, sent and
     received, beside this rank's merged output. A replay's rows gather no keys; their backward holds, per piece, the
     gathered output gradients, outputs and log-sum-exps (about two partials' worth) and the fp32 query gradients sent
-    and received, beside the whole query gradient."""
+    and received, beside the whole query gradient. A DSA layer adds every rank's top-k, gathered, and this rank's picks
+    of its pages for each (int64 both), for the layer's forward (and its recompute under checkpointing)."""
     if context_parallel == 1:
         return 0
     skeleton = skeleton_of(config, trust_remote_code)
     text_config = skeleton.config.get_text_config()
     widest = 0
     for plan in check_supported(skeleton):
+        per_token = 0
         for kind, mixer in plan.kinds:
             query, key_value, partial = kind.step_attention_elements(mixer, text_config)
             if grad:
-                per_token = query * dtype_bytes + (3 * query + 2 * partial) * FP32_BYTES
+                per_token += query * dtype_bytes + (3 * query + 2 * partial) * FP32_BYTES
             else:
-                per_token = context_parallel * key_value * dtype_bytes + query * dtype_bytes + 3 * partial * FP32_BYTES
-            widest = max(widest, per_token)
+                per_token += (
+                    context_parallel * key_value * dtype_bytes + query * dtype_bytes + 3 * partial * FP32_BYTES
+                )
+            per_token += 2 * context_parallel * kind.step_selection_elements(mixer) * INDEX_BYTES
+        widest = max(widest, per_token)
     return tokens * widest
 
 

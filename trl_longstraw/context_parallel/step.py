@@ -39,7 +39,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..block_attention import AttentionScalars, KeyBlock, blocks_backward, merge_by_lse, sinks_gradient, visits
+from ..block_attention import (
+    AttentionScalars,
+    KeyBlock,
+    blocks_backward,
+    merge_by_lse,
+    sinks_gradient,
+    visits,
+    with_picks,
+    without_picks,
+)
 from .communication import ContextParallelGroup
 from .merge import merge_partials, partial_attention
 
@@ -56,6 +65,26 @@ class StepCall:
     scalars: AttentionScalars
     kind: str  # the communication counter
     rows_first_index: int = 0  # rows after the prompt: the key index of their first own entry (the prompt's length)
+
+    def without_tensors(self) -> tuple[StepCall, list[torch.Tensor | None]]:
+        """This call without its device tensors (each rank's DSA selection and page picks), and those tensors: what
+        `StepAttention` keeps on `ctx` and what it saves for backward (`block_attention.without_picks`)."""
+        pages = [without_picks(blocks) for blocks in self.page_blocks]
+        selections = None if self.selections is None else (None,) * len(self.selections)
+        tensors = [*(self.selections or ()), *(pick for _, picks in pages for pick in picks)]
+        return dataclasses.replace(self, page_blocks=tuple(b for b, _ in pages), selections=selections), tensors
+
+    def with_tensors(self, tensors) -> StepCall:
+        """`without_tensors` undone."""
+        tensors = list(tensors)
+        selections = None
+        if self.selections is not None:
+            selections, tensors = tuple(tensors[: len(self.selections)]), tensors[len(self.selections) :]
+        page_blocks = []
+        for blocks in self.page_blocks:
+            page_blocks.append(with_picks(blocks, tensors[: len(blocks)]))
+            tensors = tensors[len(blocks) :]
+        return dataclasses.replace(self, page_blocks=tuple(page_blocks), selections=selections)
 
     def pieces(self) -> list[slice]:
         """The step's rows in `cp.size` pieces (the same rows of every rank's chunk, cut to its length): each piece's
@@ -182,14 +211,16 @@ class StepAttention(torch.autograd.Function):
             together = {}  # the pieces' partials are sampled as one loop
             for piece in call.pieces():
                 _piece_forward(call, piece, together, q, own_k, own_v, keys, values, page_tensors, out, lse)
-        ctx.save_for_backward(q, sinks, own_k, own_v, out, lse, *page_tensors)
-        ctx.call, ctx.lengths = call, lengths
+        ctx.call, call_tensors = call.without_tensors()
+        ctx.save_for_backward(q, sinks, own_k, own_v, out, lse, *call_tensors, *page_tensors)
+        ctx.call_tensors, ctx.lengths = len(call_tensors), lengths
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
-        q, sinks, own_k, own_v, out, lse, *page_tensors = ctx.saved_tensors
-        call, lengths = ctx.call, ctx.lengths
+        q, sinks, own_k, own_v, out, lse, *saved = ctx.saved_tensors
+        call, page_tensors = ctx.call.with_tensors(saved[: ctx.call_tensors]), saved[ctx.call_tensors :]
+        lengths = ctx.lengths
         cp, me = call.cp, call.cp.rank
         need = ctx.needs_input_grad
         with torch.autocast(q.device.type, enabled=False):

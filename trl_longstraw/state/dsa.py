@@ -160,6 +160,10 @@ class IndexerKeys(LayerState):
     def index_heads(cls, mixer):
         return mixer.n_heads
 
+    @classmethod
+    def step_selection_elements(cls, mixer):
+        return mixer.index_topk
+
     def __init__(self, mixer, layer_idx, layer_type, prompt):
         super().__init__(mixer, layer_idx, layer_type, prompt)
         self.keys = Pages(prompt.placement, prompt.num_tokens)

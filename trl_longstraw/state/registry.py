@@ -162,6 +162,12 @@ class LayerState(abc.ABC):
         return True
 
     @classmethod
+    def step_selection_elements(cls, mixer: nn.Module) -> int:
+        """Per token, the keys this kind's top-k selects: what a context-parallel step gathers from every rank and
+        turns into this rank's picks of its pages for every rank's queries (the accounting); 0: none."""
+        return 0
+
+    @classmethod
     def index_heads(cls, mixer: nn.Module) -> int:
         """Heads of a DSA indexer scoring the prompt's keys (the accounting's indexer scores); 0: none."""
         return 0
