@@ -10,12 +10,13 @@ from trl_longstraw.embedded import FAMILIES, build_model
 from trl_longstraw.engine import LongStrawEngine, prepare_model
 from trl_longstraw.rollout import (
     PromptRows,
+    ToolTurnStates,
     UnsupportedRolloutError,
     check_generation_config,
     decode,
     prepare_sampling,
 )
-from trl_longstraw.state.suffix import Suffix
+from trl_longstraw.state.suffix import SUFFIX_PAGE_TOKENS, Suffix
 
 from .conftest import GROUP_SIZE, TINY_PAGED_CACHE, make_trainer
 
@@ -157,7 +158,8 @@ def test_a_max_length_the_prompt_fills_is_refused_as_generate_refuses_it():
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "glm_moe_dsa", "gemma3_text", "gpt_oss"])
 def test_decode_memory_is_one_prompt_state_plus_a_suffix_per_row(family):
-    """Suffix bytes = rows x (capacity x per-token bytes + fixed windowed and recurrent bytes), from the state
+    """Suffix bytes = rows x (capacity x per-token bytes + fixed windowed and recurrent bytes) for a capacity within
+    one page (`test_a_suffix_grows_with_what_its_rows_decoded_not_to_its_capacity`: beyond), from the state
     accounting (`account.bytes(capacity)`, the accounting's decoded row): what G adds is the rows' own decoded tokens
     (a sliding window's last `window - 1` of them), never another copy of the prompt."""
     model = build_model(family, seed=0).float()
@@ -173,6 +175,24 @@ def test_decode_memory_is_one_prompt_state_plus_a_suffix_per_row(family):
         for _ in range(8):  # past the tiny configs' window of 6: a windowed layer keeps 5 entries
             engine.decode(model, state, suffix, tokens)
         assert suffix.nbytes() == rows * (10 * account.bytes_per_token() + fixed) == rows * account.bytes(10)
+
+
+def test_a_suffix_grows_with_what_its_rows_decoded_not_to_its_capacity():
+    """A long rollout's entries grow in pages (`SUFFIX_PAGE_TOKENS` at least, half what they hold at least): they
+    hold at most 1.5x the decoded tokens plus a page, never the capacity up front, and each entry is copied about
+    twice in all (linear in the rollout's length, not quadratic), the entries read back as written."""
+    rows, width, steps = 2, 4, 3000
+    suffix = Suffix(rows, capacity=1_000_000, first_position=0)
+    owner, copied, storage = object(), 0, None
+    for step in range(steps):
+        entries = suffix.extend(owner, "key", torch.full((rows, 1, width), float(step)), dim=1)
+        if entries.untyped_storage().data_ptr() != storage:
+            copied, storage = copied + suffix.length, entries.untyped_storage().data_ptr()
+        suffix.advance(1)
+        held = suffix.nbytes() // (rows * width * 4)
+        assert suffix.length <= held <= 1.5 * suffix.length + SUFFIX_PAGE_TOKENS
+    assert copied <= 2 * steps
+    assert torch.equal(entries[1, :, 3], torch.arange(steps, dtype=torch.float32))
 
 
 def test_trainer_captures_each_prompt_once_per_step_on_policy(tokenizer, prompt_dataset, tmp_path):
@@ -281,10 +301,12 @@ def test_a_one_token_prompt_decodes_from_an_empty_state_as_generate_does(family)
     assert max(float((got - want).abs().max()) for got, want in zip(logits, want_logits, strict=True)) < 1e-5
 
 
-def continued_rows(model, config, seed=6):
+def continued_rows(model, config, how, seed=6):
     """A tool turn's batch: two rows continuing one captured prompt with the same tokens, two with their own (of
     different lengths), and two rows of another prompt with no continuation; decoded from the states and by
-    `generate` over the rows' whole left-padded histories."""
+    `generate` over the rows' whole left-padded histories. `how`: "extended", each continuing row's tokens captured
+    into a continuation of the prompt's state (`LongStrawEngine.extend`; the last row's in two turns, the second
+    continuing the first), or "fed" on top of it in the first forward (`PromptRows.continuation`)."""
     prompt, other, *continuations = random_prompts(model, [19, 11, 9, 1, 4], seed=seed)
     histories = [torch.cat([prompt, c]) for c in (continuations[0], *continuations)] + [other, other]
     torch.manual_seed(5)
@@ -292,8 +314,18 @@ def continued_rows(model, config, seed=6):
     prepare_model(model)
     engine = LongStrawEngine(8, 8)
     state = engine.capture(model, prompt, 0)
-    rows = [PromptRows([0, 1], prompt, state, continuations[0])]
-    rows += [PromptRows([row], prompt, state, c) for row, c in zip((2, 3), continuations[1:], strict=True)]
+    if how == "fed":
+        rows = [PromptRows([0, 1], prompt, state, continuations[0])]
+        rows += [PromptRows([row], prompt, state, c) for row, c in zip((2, 3), continuations[1:], strict=True)]
+    else:
+        rows = []
+        for row_ids, continuation, turns in zip(([0, 1], [2], [3]), continuations, (1, 1, 2), strict=True):
+            history = torch.cat([prompt, continuation])
+            turn = state
+            for added in history[len(prompt) - 1 : -1].tensor_split(turns):  # the prompt's last token on, but the last
+                turn = engine.extend(model, turn, added)
+            assert turn.geometry.first_index + turn.num_tokens == len(history) - 1
+            rows.append(PromptRows(row_ids, history, turn))
     rows.append(PromptRows([4, 5], other, engine.capture(model, other, 0)))
     padded, mask = left_padded(histories, 1)
     logits = []
@@ -302,11 +334,12 @@ def continued_rows(model, config, seed=6):
     return (tokens, logits), (want_tokens, want_logits)
 
 
+@pytest.mark.parametrize("how", ["extended", "fed"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_rows_continuing_a_prompt_decode_as_generate_does_from_their_whole_history(family):
+def test_rows_continuing_a_prompt_decode_as_generate_does_from_their_whole_history(family, how):
     """Greedy, past the tiny configs' sliding window of 6: `generate`'s tokens and logits."""
     model = build_model(family, seed=0).float()
-    (tokens, logits), (want_tokens, want_logits) = continued_rows(model, generation_config())
+    (tokens, logits), (want_tokens, want_logits) = continued_rows(model, generation_config(), how)
     assert torch.equal(tokens, want_tokens)
     assert max(float((got - want).abs().max()) for got, want in zip(logits, want_logits, strict=True)) < 1e-5
 
@@ -315,15 +348,68 @@ def test_rows_continuing_a_prompt_decode_as_generate_does_from_their_whole_histo
 def test_continued_rows_draw_what_generate_draws(family):
     model = build_model(family, seed=0).float()
     config = generation_config(do_sample=True, temperature=0.9, top_k=40, repetition_penalty=1.3, max_new_tokens=12)
-    (tokens, _), (want_tokens, _) = continued_rows(model, config)
+    (tokens, _), (want_tokens, _) = continued_rows(model, config, "extended")
     assert torch.equal(tokens, want_tokens)
     assert len(set(map(tuple, tokens.tolist()))) > 2
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "glm_moe_dsa"])
+def test_tool_turn_rows_extend_their_kept_rows_and_share_what_they_added_alike(family):
+    """Two turns of a tool loop by hand: rows extend the kept row their history starts with, the span two rows added
+    alike captured once (each going on from it), a row of a prompt never kept is captured; the next turn extends the
+    rows of this one. Every turn decodes `generate`'s tokens and logits over the rows' whole histories."""
+    model = build_model(family, seed=0).float()
+    prompt, other, shared, *tails = random_prompts(model, [12, 9, 5, 3, 4, 6, 2, 3], seed=3)
+    prepare_model(model)
+    engine = LongStrawEngine(8, 8)
+    captured = []
+
+    def capture(index, rows, prompt_ids):
+        captured.append(len(prompt_ids))
+        return engine.capture(model, prompt_ids, 0)
+
+    def extend(state, tokens):
+        extended.append(len(tokens))
+        return engine.extend(model, state, tokens)
+
+    turns = ToolTurnStates()
+    turns.keep({tuple(prompt.tolist()): PromptRows([0, 1, 2], prompt, engine.capture(model, prompt, 0))})
+    extended = []
+
+    def turn(histories):
+        """One turn's rows and decoded tokens, checked against `generate`."""
+        extended.clear()
+        rows_of = {tuple(history.tolist()): [row] for row, history in enumerate(histories)}
+        rows = turns.prompt_rows(rows_of, capture, extend, torch.device("cpu"), shared_span_tokens=3)
+        config = generation_config(max_new_tokens=4)
+        torch.manual_seed(5)
+        want_tokens, want_logits = generate(model, histories, 1, config)
+        padded, mask = left_padded(histories, 1)
+        logits = []
+        torch.manual_seed(5)
+        tokens = decode(engine, model, rows, padded, prepare_sampling(model, config, padded, mask), logits)
+        assert torch.equal(tokens, want_tokens)
+        assert max(float((got - want).abs().max()) for got, want in zip(logits, want_logits, strict=True)) < 1e-5
+        return rows, tokens
+
+    histories = [torch.cat([prompt, shared, tails[0]]), torch.cat([prompt, shared, tails[1]])]
+    histories += [torch.cat([prompt, tails[2]]), other]
+    first, tokens = turn(histories)
+    # the span (the prompt's last token and `shared`) once, then each row's own tokens but its last
+    assert extended == [1 + len(shared), len(tails[0]) - 1, len(tails[1]) - 1, len(tails[2])]
+    assert first[0].state.parent is first[1].state.parent is not first[2].state.parent
+    assert captured == [len(other)]
+    additions = [tokens[row, :2].tolist() + [7, 8] for row in range(3)]  # decoded tokens, then a tool's output
+    second, _ = turn([torch.cat([histories[row], torch.tensor(additions[row])]) for row in range(3)])
+    assert extended == [len(added) for added in additions]  # what each row added since its last turn, no more
+    assert all(entry.state.parent is previous.state for entry, previous in zip(second, first[:3], strict=True))
+    turns.release()
+
+
 def test_tool_turns_decode_from_the_first_turns_capture(tmp_path, monkeypatch):
-    """GRPOTrainer's tool loop calls the generation again with each row's prompt, completion and tool results: the
-    rows continue from the prompt's state (one capture per step, the first turn's), and each turn's first logits
-    are the model's over the row's whole history."""
+    """GRPOTrainer's tool loop calls the generation again with each row's prompt, completion and tool results: each
+    row extends the state its last turn left (one prompt capture per step, the first turn's; a turn captures only the
+    row's tokens since its last turn), and each turn's first logits are the model's over the row's whole history."""
     from datasets import Dataset
 
     import trl_longstraw.trainer as trainer_module
@@ -337,9 +423,13 @@ def test_tool_turns_decode_from_the_first_turns_capture(tmp_path, monkeypatch):
         step_logits = []
         tokens = decode(engine, model, prompts, padded, sampling, step_logits)
         for entry in prompts:
-            if entry.continuation is not None:
+            if entry.state.parent is not None:
+                assert entry.continuation is None
                 row = entry.rows[0]
                 history = padded[row][padded[row] != tokenizer.pad_token_id]  # as GRPOTrainer passed it
+                assert torch.equal(entry.prompt_ids, history)
+                parent = entry.state.parent
+                assert entry.state.num_tokens == len(history) - 1 - parent.geometry.first_index - parent.num_tokens
                 with torch.no_grad():
                     want = model(history[None]).logits[0, -1]
                 errors.append(float((step_logits[0][row] - want).abs().max()))

@@ -431,6 +431,22 @@ class LongStrawEngine:
         check_prepared(model)
         return self.distribution.capture(self, model, prompt_ids, first_position)
 
+    @torch.no_grad()
+    def extend(self, model: nn.Module, state: PromptState, token_ids: torch.Tensor) -> PromptState:
+        """A continuation of `state` (`PromptState.continuation`) holding `token_ids` (1-D: the tokens after its
+        captured ones), captured without autograd in chunks of `prefill_chunk_size`: a tool turn's row (its last
+        turn's tokens and the tool's output) on top of the state its earlier turns left, so that no turn captures a
+        row's history again. Not under context parallelism (`PromptState.continuation`: a state spread over a CP
+        group has none)."""
+        check_prepared(model)
+        state.check_fresh(weights_version(model))
+        continued = state.continuation(token_ids.numel())
+        for chunk_index, start in enumerate(range(0, token_ids.numel(), self.prefill_chunk_size)):
+            chunk = token_ids[start : start + self.prefill_chunk_size]
+            self.backbone_forward(model, continued, "capture", chunk, start, chunk_index)
+        continued.check_captured()
+        return continued
+
     def backbone_forward(
         self, model, state, mode, token_ids, start, chunk_index
     ) -> tuple[StateAccess, RouterLoad | None, object]:
@@ -444,7 +460,7 @@ class LongStrawEngine:
             mode,
             positions,
             self.attention_chunk_size,
-            start,
+            state.geometry.first_index + start,  # a continuation's chunks follow the states it continues
             chunk_index=chunk_index,
             every_output_read=self.routing is not None,
         )
@@ -969,7 +985,7 @@ class LongStrawEngine:
             "decode",
             positions,
             self.attention_chunk_size,
-            state.num_tokens,
+            state.geometry.first_index + state.num_tokens,
             batch_size=token_ids.shape[0],
             suffix=suffix,
         )

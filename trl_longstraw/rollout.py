@@ -4,8 +4,8 @@ TRL's transformers path repeats each prompt G times, prefills every copy and kee
 prompt is captured once ([`LongStrawEngine.capture`], the same capture the update reads) and its rows decode together:
 every row attends to the prompt's read-only pages, shared by all rows (never copied), and to its own decoded tokens,
 kept in a [`Suffix`] (one row's worth of K/V, latents, indexer keys and recurrent states). Decode memory per prompt is
-one prompt state plus its rows' suffixes. A row may carry tokens of its own after the prompt (a tool-calling turn's
-earlier completion and tool results, [`PromptRows.continuation`]): its first forward feeds them into its suffix.
+one prompt state plus its rows' suffixes. A tool-calling turn's row decodes from the state its last turn left, what it
+added since captured on top of it ([`ToolTurnStates`]).
 
 Sampling is `generate`'s own: the generation config is prepared, and the logits processors and stopping criteria are
 built, by the model's `GenerationMixin` helpers from the same `GenerationConfig` `GRPOTrainer` passes to `generate`
@@ -20,6 +20,7 @@ one group per process).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList,
 from transformers.generation.configuration_utils import GenerationMode
 
 from .engine import LongStrawEngine
+from .segments import PrefixNode, prefix_tree
 from .state import PromptState
 from .state.suffix import Suffix
 
@@ -148,9 +150,9 @@ def prepare_sampling(
 class PromptRows:
     """The rows of a generation batch that share one prompt, and that prompt's captured state.
 
-    `continuation` (tokens every one of these rows has after `prompt_ids`: a tool-calling turn's earlier completion
-    and tool results) is fed on top of the state in the rollout's first forward, so a multi-turn row reads the
-    prompt's pages instead of a capture of its own whole history.
+    `continuation` (tokens every one of these rows has after the tokens the state holds, but the last) is fed on top
+    of the state in the rollout's first forward: a tool-calling turn's earlier completion and tool results, where the
+    state cannot be continued (`LongStrawEngine.extend`: under context parallelism).
     """
 
     rows: list[int]
@@ -160,9 +162,14 @@ class PromptRows:
 
 
 class ToolTurnStates:
-    """A generation's first-turn prompt states, kept through GRPOTrainer's tool loop: each tool turn's row (its prompt,
-    then its completion and tool results so far) continues its prompt's state (`PromptRows.continuation`) instead of
-    capturing its whole history again. Released when the generation ends, before scoring."""
+    """A generation's states, kept through GRPOTrainer's tool loop. A tool turn's row (its prompt, then its
+    completion and tool results so far) continues the longest kept row it extends: what it added since (its last
+    turn's tokens and the tool's output) is captured into a continuation of that row's state
+    (`LongStrawEngine.extend`), so a row's history is captured once whatever its number of turns. Rows extending one
+    kept row share its state, and the spans of what they added that they have alike (64 tokens or more,
+    `segments.prefix_tree`) are captured once, each row going on from its deepest. Where states cannot be continued
+    (context parallelism), a row's tokens since its prompt are fed on top of the prompt's state in the turn's first
+    forward (`PromptRows.continuation`). Released when the generation ends, before scoring."""
 
     def __init__(self):
         self._states: dict[tuple[int, ...], PromptRows] | None = None
@@ -176,38 +183,74 @@ class ToolTurnStates:
         self,
         rows_of: dict[tuple[int, ...], list[int]],
         capture: Callable[[int, list[int], torch.Tensor], PromptState],
+        extend: Callable[[PromptState, torch.Tensor], PromptState] | None,
         device: torch.device,
+        shared_span_tokens: int | None = None,
     ) -> list[PromptRows]:
-        """This turn's rows by prompt (`rows_of`: token ids -> rows): in a tool turn, a row continuing a kept prompt
-        reads its state; any other prompt is captured (`capture(index, rows, prompt_ids)`). A kept prompt no row
-        continues any more (its rows stopped calling tools) is released."""
-        prompt_rows, continued_prompts = [], set()
+        """This turn's rows by prompt (`rows_of`: token ids -> rows): in a tool turn, a row extending a kept row
+        continues its state (`extend(state, tokens)`: a continuation of `state` holding `tokens`; None: states cannot
+        be continued); any other row is captured (`capture(index, rows, prompt_ids)`). Spans of `shared_span_tokens`
+        or more that rows extending one kept row added alike are captured once (None: not looked for). In a tool turn,
+        this turn's rows are kept for the next (the states they continue stay alive through them); the others are
+        released."""
+        extending: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for ids in rows_of if self.in_tool_loop else ():
+            if (earlier := self._extended_row(ids)) is not None:
+                extending.setdefault(earlier, []).append(ids)
+        continued: dict[tuple[int, ...], PromptRows] = {}
+        for earlier, rows in extending.items():
+            continued.update(self._continue(self._states[earlier], rows, extend, device, shared_span_tokens))
+        prompt_rows = []
         for ids, rows in rows_of.items():
-            prompt = self._continued_prompt(ids) if self.in_tool_loop else None
-            if prompt is not None:
-                kept = self._states[prompt]
-                continuation = torch.tensor(ids[len(prompt) :], device=device)
-                prompt_rows.append(PromptRows(rows, kept.prompt_ids, kept.state, continuation))
-                continued_prompts.add(prompt)
+            if ids in continued:
+                prompt_rows.append(dataclasses.replace(continued[ids], rows=rows))
                 continue
             prompt_ids = torch.tensor(ids, device=device)
             prompt_rows.append(PromptRows(rows, prompt_ids, capture(len(prompt_rows), rows, prompt_ids)))
         if self.in_tool_loop:
-            self._states = {prompt: self._states[prompt] for prompt in continued_prompts}
+            self.keep(dict(zip(rows_of, prompt_rows, strict=True)))
         return prompt_rows
 
+    def _continue(self, kept: PromptRows, rows: list[tuple[int, ...]], extend, device, shared_span_tokens) -> dict:
+        """The `PromptRows` (rows unset) of `rows` (token ids), each extending `kept`."""
+        if extend is None:  # fed on top of the kept row's prompt state
+            return {
+                ids: PromptRows(
+                    [], kept.prompt_ids, kept.state, torch.tensor(ids[len(kept.prompt_ids) :], device=device)
+                )
+                for ids in rows
+            }
+        held = len(kept.prompt_ids) - 1  # the kept row's state holds its tokens but the last
+        added = [list(ids[held:-1]) for ids in rows]  # the kept row's last token on, but the row's last
+        continued = {}
+
+        def walk(parent: PromptState, start: int, members, nodes: list[PrefixNode]) -> None:
+            below = set()
+            for node in nodes:
+                span = extend(parent, torch.tensor(added[node.members[0]][node.start : node.end], device=device))
+                walk(span, node.end, node.members, node.children)
+                below.update(node.members)
+            for member in members:
+                if member not in below:
+                    state = extend(parent, torch.tensor(added[member][start:], device=device))
+                    continued[rows[member]] = PromptRows([], torch.tensor(rows[member], device=device), state)
+
+        tree = [] if shared_span_tokens is None else prefix_tree(added, shared_span_tokens)
+        walk(kept.state, 0, range(len(rows)), tree)
+        return continued
+
     def keep(self, states: dict[tuple[int, ...], PromptRows]) -> None:
-        """Keep the first turn's states (by prompt token ids) for the tool loop's turns."""
+        """Keep a turn's rows (by their token ids) for the tool loop's next turn."""
         self._states = states
 
     def release(self) -> None:
         self._states = None
 
-    def _continued_prompt(self, ids: tuple[int, ...]) -> tuple[int, ...] | None:
-        """The kept prompt that a tool turn's row `ids` continues (the longest, if one prompt starts another), or
+    def _extended_row(self, ids: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The kept row that a tool turn's row `ids` extends (the longest, if one kept row starts another), or
         None."""
-        continued = [prompt for prompt in self._states if len(ids) > len(prompt) and ids[: len(prompt)] == prompt]
-        return max(continued, key=len) if continued else None
+        extended = [kept for kept in self._states if len(ids) > len(kept) and ids[: len(kept)] == kept]
+        return max(extended, key=len) if extended else None
 
 
 def decode(

@@ -625,7 +625,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 group = PromptGroup(index, rows, prompt_ids, first_position=0, completion_lengths=[])
                 return self._capture(causal_lm, group, "capture")
 
-            prompt_rows = self._tool_turns.prompt_rows(rows_of, capture, device)
+            def extend(state, token_ids):
+                return self.engine.extend(causal_lm, state, token_ids)
+
+            continues = self.parallel_layout.cp_group is None  # a sharded state has no continuation
+            prompt_rows = self._tool_turns.prompt_rows(
+                rows_of, capture, extend if continues else None, device, self.engine.shared_span_tokens
+            )
             with self._phase("rollout"), self.accelerator.autocast():
                 completion_ids = decode(self.engine, causal_lm, prompt_rows, padded, sampling)
             if not tool_turn:

@@ -6,17 +6,22 @@ current conv / recurrent states. [`Suffix`] holds those for all rows of one grou
 a copy of the prompt's pages: attention reads the prompt's pages as a block shared by every row and the suffix as
 one block per row, merged by log-sum-exp.
 
-Per-token entries are preallocated for the longest possible completion (`capacity`) and written in place, so a
-decode step costs no copy of earlier entries; a sliding-window layer keeps only its last `window - 1` entries (a
-window-sized copy per step, as transformers' sliding-window cache layer); recurrent states are replaced each step
-(they are the rows' own). Decode memory for a group is therefore one prompt state plus `rows * capacity * (bytes per
-token of every full-length kind)` plus `rows * (fixed bytes of every windowed and recurrent kind)`: the state
-accounting's `bytes_per_token` and `fixed`.
+Per-token entries grow with the rows' decoded length, by at least a page of `SUFFIX_PAGE_TOKENS` and at least half
+what they hold, up to `capacity` (the longest possible completion): a row that stops early never holds the
+capacity's worth, each entry is copied a bounded number of times in all (at most twice on average, so a long
+rollout's copying is linear in its length, not quadratic), and a decode step writes in place but for those growths;
+a sliding-window layer keeps only its last `window - 1` entries (a window-sized copy per step, as transformers'
+sliding-window cache layer); recurrent states are replaced each step (they are the rows' own). Decode memory for a
+group is therefore one prompt state plus at most `rows * (1.5 * decoded + SUFFIX_PAGE_TOKENS) * (bytes per token of
+every full-length kind)` plus `rows * (fixed bytes of every windowed and recurrent kind)`: the state accounting's
+`bytes_per_token` and `fixed`.
 """
 
 from __future__ import annotations
 
 import torch
+
+SUFFIX_PAGE_TOKENS = 256  # the least a suffix's per-token entries grow by
 
 
 class Suffix:
@@ -62,10 +67,15 @@ class Suffix:
         if end > self.capacity:
             raise ValueError(f"A rollout decoded {end} tokens per row, more than its capacity of {self.capacity}.")
         buffer = self._entries.get(key)
-        if buffer is None:
+        if buffer is None or buffer.shape[dim] < end:
+            held = 0 if buffer is None else buffer.shape[dim]
+            wanted = max(end, held + held // 2)
             shape = list(values.shape)
-            shape[dim] = self.capacity
-            buffer = self._entries[key] = values.new_empty(shape)
+            shape[dim] = min(self.capacity, -(-wanted // SUFFIX_PAGE_TOKENS) * SUFFIX_PAGE_TOKENS)
+            grown = values.new_empty(shape)
+            if buffer is not None:
+                grown.narrow(dim, 0, self.length).copy_(buffer.narrow(dim, 0, self.length))
+            buffer = self._entries[key] = grown
         buffer.narrow(dim, self.length, values.shape[dim]).copy_(values)
         return buffer.narrow(dim, 0, end)
 
