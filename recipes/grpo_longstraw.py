@@ -6,9 +6,11 @@
 
 TRL's script arguments (`trl.ScriptArguments`: `--dataset_name`, `--dataset_config`, `--dataset_train_split`,
 `--dataset_test_split`, `--dataset_streaming`; an eval set from the test split when `--eval_strategy` is not "no"),
-and its rewards: `--reward_funcs` (TRL's by name, this task's `needle_reward` and `digits_only_reward`, or any dotted
-import path) and `--reward_model_name_or_path`. By default it trains the embedded tiny model on the embedded needle
-task with the needle rewards (nothing is downloaded).
+its rewards: `--reward_funcs` (TRL's by name, the embedded tasks' by name, or any dotted import path) and
+`--reward_model_name_or_path`, and tools for TRL's tool loop: `--tools` (the embedded report task's `read_report`, or
+dotted import paths). By default it trains the embedded tiny model on the embedded needle task with the needle rewards
+(nothing is downloaded); `--dataset_name embedded:tools` trains the embedded tool-calling model on a multi-turn task
+whose tool returns long reports (recipes/tool_task.py, configs/demo_tools_embedded.yaml).
 
 After training, rank 0 prints the wall time and peak memory of each LongStraw phase, read back from the trainer's
 logs, so the cost of a long prompt can be read off without a dashboard.
@@ -26,16 +28,30 @@ from pathlib import Path
 import torch
 from datasets import Dataset, load_dataset
 from needle_task import build_needle_dataset, digits_only_reward, needle_reward  # sibling module of this script
+from tool_task import (  # sibling module of this script
+    EMBEDDED_CALL_LOGIT,
+    EMBEDDED_TOOL_CALL,
+    ReportTask,
+    report_key_reward,
+    tool_use_reward,
+)
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 from trl.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
 
 from trl_longstraw import LongStrawGRPOConfig, LongStrawGRPOTrainer
-from trl_longstraw.embedded import FAMILIES, build_model, build_tokenizer
+from trl_longstraw.embedded import (
+    FAMILIES,
+    build_model,
+    build_tokenizer,
+    build_tool_calling_model,
+    build_tool_calling_tokenizer,
+)
 from trl_longstraw.telemetry import PHASES, PREFIX
 
 EMBEDDED = "embedded"
 EMBEDDED_NEEDLE = "embedded:needle"
+EMBEDDED_TOOLS = "embedded:tools"
 # TRL's grpo.py registry, and this task's rewards
 TRL_REWARDS = {
     "accuracy_reward": accuracy_reward,
@@ -43,28 +59,54 @@ TRL_REWARDS = {
     "think_format_reward": think_format_reward,
     "get_soft_overlong_punishment": get_soft_overlong_punishment(max_completion_len=1280, soft_punish_cache=256),
 }
-REWARDS = {**TRL_REWARDS, "needle_reward": needle_reward, "digits_only_reward": digits_only_reward}
+TASK_REWARDS = {
+    "needle_reward": needle_reward,
+    "digits_only_reward": digits_only_reward,
+    "tool_use_reward": tool_use_reward,
+    "report_key_reward": report_key_reward,
+}
+REWARDS = {**TRL_REWARDS, **TASK_REWARDS}
+DEFAULT_REWARDS = {
+    EMBEDDED_NEEDLE: ["needle_reward", "digits_only_reward"],
+    EMBEDDED_TOOLS: ["tool_use_reward", "report_key_reward"],
+}
 
 
 @dataclass
 class LongStrawScriptArguments(ScriptArguments):
-    """TRL's script arguments (the dataset and its splits) and `grpo.py`'s rewards, with the embedded needle task as
-    the default dataset."""
+    """TRL's script arguments (the dataset and its splits), `grpo.py`'s rewards and tools, with the embedded needle task
+    as the default dataset."""
 
     dataset_name: str | None = field(
         default=EMBEDDED_NEEDLE,
         metadata={
-            "help": f"'{EMBEDDED_NEEDLE}' builds the synthetic needle-in-a-haystack task in code; anything else is "
+            "help": f"'{EMBEDDED_NEEDLE}' builds the synthetic needle-in-a-haystack task in code, '{EMBEDDED_TOOLS}' "
+            "the multi-turn report task whose tool returns long reports (recipes/tool_task.py); anything else is "
             "loaded with `datasets.load_dataset(dataset_name, name=dataset_config)` and needs a `prompt` column "
-            "(and, for `needle_reward`, an `answer` column)."
+            "(and, for `needle_reward` and `report_key_reward`, an `answer` column)."
         },
     )
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={
-            "help": f"Reward functions: TRL's ({', '.join(TRL_REWARDS)}), this task's (needle_reward, "
-            "digits_only_reward), or any dotted import path (e.g. 'my_lib.rewards.custom_reward'). Default: the "
-            "needle task's two for the embedded needle task; required otherwise (or a reward model)."
+            "help": f"Reward functions: TRL's ({', '.join(TRL_REWARDS)}), the embedded tasks' "
+            f"({', '.join(TASK_REWARDS)}), or any dotted import path (e.g. 'my_lib.rewards.custom_reward'). Default: "
+            "the embedded task's own; required otherwise (or a reward model)."
+        },
+    )
+    tools: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Tools for TRL's tool loop (GRPOTrainer's `tools`): the embedded report task's read_report, or "
+            "dotted import paths of functions with a docstring TRL reads the schema from (e.g. "
+            "'my_lib.tools.search'). Default: read_report for the embedded report task; none otherwise."
+        },
+    )
+    report_chars: int = field(
+        default=4096,
+        metadata={
+            "help": "Characters of every report `read_report` returns (embedded report task only); with the embedded "
+            "character-level tokenizer, the tokens each tool call adds to a completion."
         },
     )
     reward_model_name_or_path: str | None = field(
@@ -124,10 +166,17 @@ def load_model_and_tokenizer(
     """
     if model_args.model_name_or_path in (None, EMBEDDED):
         dtype = torch.float32 if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
-        model = build_model(script_args.embedded_model_type, seed=training_args.seed, dtype=dtype)
+        family, seed = script_args.embedded_model_type, training_args.seed
+        if script_args.dataset_name == EMBEDDED_TOOLS:  # the tiny model that calls read_report
+            tokenizer = build_tool_calling_tokenizer(EMBEDDED_TOOL_CALL)
+            model = build_tool_calling_model(tokenizer, family, seed, EMBEDDED_CALL_LOGIT, EMBEDDED_TOOL_CALL).to(
+                dtype
+            )
+        else:
+            tokenizer, model = build_tokenizer(), build_model(family, seed=seed, dtype=dtype)
         if training_args.beta != 0.0 and not model_args.use_peft:
             save_reference_weights(model, training_args)
-        return model, build_tokenizer()
+        return model, tokenizer
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,
@@ -148,21 +197,10 @@ def reward_functions(script_args: LongStrawScriptArguments) -> list:
     """`--reward_model_name_or_path` and `--reward_funcs` as TRL's grpo.py resolves them (a name of `REWARDS`, or a
     dotted import path); the needle task's two rewards by default for the embedded needle task."""
     names = script_args.reward_funcs
-    if names is None and script_args.dataset_name == EMBEDDED_NEEDLE:
-        names = ["needle_reward", "digits_only_reward"]
+    if names is None:
+        names = DEFAULT_REWARDS.get(script_args.dataset_name)
     rewards = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
-    for name in names or []:
-        if name in REWARDS:
-            rewards.append(REWARDS[name])
-        elif "." in name:
-            module, function = name.rsplit(".", 1)
-            sys.path.insert(0, os.getcwd())
-            rewards.append(getattr(importlib.import_module(module), function))
-        else:
-            raise ValueError(
-                f"--reward_funcs {name!r}: give one of {', '.join(REWARDS)}, or a dotted import path "
-                "(e.g. my_lib.rewards.custom_reward)."
-            )
+    rewards += [resolve("--reward_funcs", name, REWARDS, "my_lib.rewards.custom_reward") for name in names or []]
     if not rewards:
         raise ValueError(
             f"--dataset_name {script_args.dataset_name}: give its rewards with --reward_funcs (names or dotted import "
@@ -171,12 +209,41 @@ def reward_functions(script_args: LongStrawScriptArguments) -> list:
     return rewards
 
 
+def resolve(flag: str, name: str, known: dict, example: str):
+    """A function by name (one of `known`) or dotted import path, as TRL's grpo.py resolves its rewards."""
+    if name in known:
+        return known[name]
+    if "." in name:
+        module, function = name.rsplit(".", 1)
+        sys.path.insert(0, os.getcwd())
+        return getattr(importlib.import_module(module), function)
+    raise ValueError(f"{flag} {name!r}: give one of {', '.join(known)}, or a dotted import path (e.g. {example}).")
+
+
+def report_task(script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConfig) -> ReportTask | None:
+    """The embedded report task (its prompts and the tool that reads its reports), or None for another dataset."""
+    if script_args.dataset_name != EMBEDDED_TOOLS:
+        return None
+    return ReportTask(script_args.num_prompts, script_args.report_chars, seed=training_args.seed)
+
+
+def tool_functions(script_args: LongStrawScriptArguments, task: ReportTask | None) -> list | None:
+    """`--tools` resolved (the report task's `read_report` by name, or dotted import paths); the report task's tool
+    by default for the embedded report task."""
+    known = {} if task is None else {"read_report": task.read_report}
+    names = script_args.tools if script_args.tools is not None else list(known)
+    return [resolve("--tools", name, known, "my_lib.tools.search") for name in names] or None
+
+
 def load_datasets(
-    script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConfig
+    script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConfig, task: ReportTask | None = None
 ) -> tuple[Dataset, Dataset | None]:
     """The train split and, when evaluating (`eval_strategy` not "no"), the test split: the embedded needle task
-    (its eval set built with the next seed), or a Hub dataset (`load_dataset(dataset_name, name=dataset_config)`)."""
+    (its eval set built with the next seed), the embedded report task (`task`: its eval set is its train set, the
+    reports its tool reads), or a Hub dataset (`load_dataset(dataset_name, name=dataset_config)`)."""
     evaluating = str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy)) != "no"
+    if task is not None:
+        return task.dataset(), task.dataset() if evaluating else None
     if script_args.dataset_name == EMBEDDED_NEEDLE:
         count, chars = script_args.num_prompts, script_args.prompt_chars
         train = build_needle_dataset(count, chars, seed=training_args.seed)
@@ -244,11 +311,14 @@ def save_reward_curve(log_history: list[dict[str, float]], path: Path) -> Path |
 
 def main(script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConfig, model_args: ModelConfig) -> None:
     reward_funcs = reward_functions(script_args)  # before any model loads: a bad name fails at once
-    train_dataset, eval_dataset = load_datasets(script_args, training_args)
+    task = report_task(script_args, training_args)
+    tools = tool_functions(script_args, task)
+    train_dataset, eval_dataset = load_datasets(script_args, training_args, task)
     model, tokenizer = load_model_and_tokenizer(script_args, training_args, model_args)
     trainer = LongStrawGRPOTrainer(
         model=model,
         reward_funcs=reward_funcs,
+        tools=tools,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
@@ -264,6 +334,9 @@ def main(script_args: LongStrawScriptArguments, training_args: LongStrawGRPOConf
         print(f"LongStraw phases over {trainer.state.global_step} steps:\n{phase_table(history)}")
         rewards = [f"{log['reward']:.2f}" for log in history if "reward" in log and "step" in log]
         print(f"reward per step: {' '.join(rewards)}")
+        if tools:
+            calls = [f"{log['tools/call_frequency']:.2f}" for log in history if "tools/call_frequency" in log]
+            print(f"tool calls per completion per step: {' '.join(calls)}")
         curve = save_reward_curve(history, Path(training_args.output_dir) / "reward_curve.png")
         if curve is not None:
             print(f"reward curve: {curve}")

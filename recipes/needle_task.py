@@ -38,14 +38,19 @@ def _filler(rng: random.Random, num_chars: int) -> str:
     return "".join(word + " " for word in words)
 
 
-def _needle_sample(rng: random.Random, prompt_chars: int) -> dict[str, Any]:
+def haystack_with_needle(rng: random.Random, num_chars: int) -> tuple[str, str]:
+    """`num_chars` characters of random words with a needle planted at a random word boundary, and its answer."""
     answer = "".join(rng.choices(string.digits, k=ANSWER_DIGITS))
     needle = NEEDLE_TEMPLATE.format(answer=answer)
-    haystack = _filler(rng, prompt_chars - len(needle) - len(QUESTION))
+    haystack = _filler(rng, num_chars - len(needle))
     word_starts = [0] + [i + 1 for i, char in enumerate(haystack[:-1]) if char == " "]
     depth = rng.choice(word_starts)
-    content = haystack[:depth] + needle + haystack[depth:] + QUESTION
-    return {"prompt": [{"role": "user", "content": content}], "answer": answer}
+    return haystack[:depth] + needle + haystack[depth:], answer
+
+
+def _needle_sample(rng: random.Random, prompt_chars: int) -> dict[str, Any]:
+    haystack, answer = haystack_with_needle(rng, prompt_chars - len(QUESTION))
+    return {"prompt": [{"role": "user", "content": haystack + QUESTION}], "answer": answer}
 
 
 def build_needle_dataset(num_prompts: int, prompt_chars: int, seed: int = 0) -> Dataset:

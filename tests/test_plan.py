@@ -270,7 +270,7 @@ def test_a_prompt_past_the_models_positions_is_refused_naming_yarn_and_planned_w
 
 
 # The prompt length each recipe of a Hub model is written for (its comments, docs/planning.md, the simulation's
-# scenarios); demo_embedded.yaml's model is built by the recipe, its prompts counted in characters
+# scenarios); the demos' models are built by the recipe, their prompts counted in characters
 RECIPE_PROMPT_LENGTHS = {
     "glm5_lora.yaml": 2_097_152,
     "glm5_lora_fsdp2_cp8.yaml": 2_097_152,
@@ -284,7 +284,7 @@ RECIPE_PROMPT_LENGTHS = {
 
 
 def test_every_recipe_has_its_prompt_length_listed():
-    listed = sorted([*RECIPE_PROMPT_LENGTHS, "demo_embedded.yaml"])
+    listed = sorted([*RECIPE_PROMPT_LENGTHS, "demo_embedded.yaml", "demo_tools_embedded.yaml"])
     assert listed == sorted(path.name for path in Path("configs").glob("*.yaml"))
 
 

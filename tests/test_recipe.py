@@ -119,3 +119,53 @@ def test_the_needle_task_gives_an_eval_set_when_evaluating(recipe, tmp_path):
         assert len(train) == 2 and (evaluation is not None) == evaluated
         if evaluated:
             assert evaluation["prompt"] != train["prompt"]
+
+
+def test_the_tools_demo_trains_through_the_tool_loop_in_segments(recipe, tmp_path, monkeypatch, capsys):
+    """configs/demo_tools_embedded.yaml, shortened (reports of 300 characters, segments of 64 tokens), in process: the
+    embedded tool-calling model calls read_report through TRL's tool loop, and the run prints its phases, rewards and
+    tool calls."""
+    from trl import ModelConfig, TrlParser
+
+    from trl_longstraw import LongStrawGRPOConfig
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    parser = TrlParser((recipe.LongStrawScriptArguments, LongStrawGRPOConfig, ModelConfig))
+    overrides = {"report_chars": 300, "max_completion_length": 1200, "replay_segment_size": 64, "max_steps": 1}
+    arguments = ["--config", str(CONFIGS / "demo_tools_embedded.yaml"), "--output_dir", str(tmp_path)]
+    arguments += [
+        "--report_to",
+        "none",
+        *(item for key, value in overrides.items() for item in (f"--{key}", str(value))),
+    ]
+    recipe.main(*parser.parse_args_and_config(args=arguments))
+    printed = capsys.readouterr().out
+    assert "LongStraw phases over 1 steps" in printed
+    calls = printed.split("tool calls per completion per step: ")[1].split()
+    assert float(calls[0]) > 0
+
+
+def test_the_report_tool_reads_the_report_each_prompt_asks_about(recipe, tmp_path):
+    """The report task's prompts, answers and tool agree; `--tools` resolves its tool by name or dotted paths, and a
+    name it cannot find is refused naming the flag."""
+    from tool_task import report_key_reward
+
+    from trl_longstraw import LongStrawGRPOConfig
+
+    arguments = recipe.LongStrawScriptArguments(dataset_name="embedded:tools", num_prompts=3, report_chars=200)
+    args = LongStrawGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    task = recipe.report_task(arguments, args)
+    train, _ = recipe.load_datasets(arguments, args, task)
+    (read_report,) = recipe.tool_functions(arguments, task)
+    for index, row in enumerate(train):
+        report = read_report(f"r{index}")
+        assert len(report) == 200 and f"the secret key is {row['answer']}." in report
+        assert f"report r{index}" in row["prompt"][0]["content"]
+    assert report_key_reward(
+        [[{"role": "assistant", "content": f"It is {train[0]['answer']}."}]], [train[0]["answer"]]
+    ) == [1.0]
+    assert recipe.tool_functions(recipe.LongStrawScriptArguments(), None) is None
+    dotted = recipe.LongStrawScriptArguments(tools=["trl_longstraw.embedded.add"])
+    assert recipe.tool_functions(dotted, None)[0].__name__ == "add"
+    with pytest.raises(ValueError, match="--tools 'search': give one of read_report"):
+        recipe.tool_functions(recipe.LongStrawScriptArguments(tools=["search"]), task)

@@ -51,24 +51,31 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-def build_tool_calling_tokenizer() -> PreTrainedTokenizerFast:
+def build_tool_calling_tokenizer(tool_call: str = TOOL_CALL) -> PreTrainedTokenizerFast:
     """The character-level tokenizer with TRL's copy of the Qwen2.5 chat template (whose tool calls TRL knows how to
-    parse), its markers as special tokens (`<|im_end|>` ends a turn) and one whole call of [`add`] as one token."""
+    parse), its markers as special tokens (`<|im_end|>` ends a turn) and one whole tool call (`tool_call`, the JSON
+    between `<tool_call>` and `</tool_call>`; by default a call of [`add`]) as one token."""
     tokenizer = _characters({PAD: 0})
     tokenizer.add_special_tokens([AddedToken(marker, special=True, normalized=False) for marker in _CHAT_MARKERS])
-    tokenizer.add_tokens([AddedToken(TOOL_CALL, normalized=False)])
+    tokenizer.add_tokens([AddedToken(tool_call, normalized=False)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, eos_token="<|im_end|>")
     fast.chat_template = (files("trl") / "chat_templates" / "qwen2_5.jinja").read_text()
     return fast
 
 
 def build_tool_calling_model(
-    tokenizer: PreTrainedTokenizerFast, family: str = "qwen3", seed: int = 0, call_logit: float = 6.0, **overrides
+    tokenizer: PreTrainedTokenizerFast,
+    family: str = "qwen3",
+    seed: int = 0,
+    call_logit: float = 6.0,
+    tool_call: str = TOOL_CALL,
+    **overrides,
 ) -> torch.nn.Module:
-    """A tiny random-weight model of `family` that calls [`add`] the way a tool-calling model does: at the start of
-    an assistant turn (after `<|im_start|>assistant\\n`) it opens a tool call (with probability 0.18 for Qwen3's
-    default `call_logit`), and once open completes it (`TOOL_CALL`, `</tool_call>`, `<|im_end|>`) almost surely;
-    other tokens follow at random.
+    """A tiny random-weight model of `family` that makes `tool_call` (by default a call of [`add`]; the tokenizer's
+    from `build_tool_calling_tokenizer(tool_call)`) the way a tool-calling model does: at the start of an assistant
+    turn (after `<|im_start|>assistant\\n`) it opens a tool call (with probability 0.18 for Qwen3's default
+    `call_logit`), and once open completes it (`tool_call`, `</tool_call>`, `<|im_end|>`) almost surely; other tokens
+    follow at random.
 
     The embeddings are one-hot (hidden size above the vocabulary) and the LM head is a next-token table on them: the
     residual stream carries the current token, which the random layers (`initializer_range` 0.04) perturb by what
@@ -88,8 +95,8 @@ def build_tool_calling_model(
     model = AutoModelForCausalLM.from_config(config)
     next_token = {
         "\n": ("<tool_call>", call_logit),
-        "<tool_call>": (TOOL_CALL, 30.0),
-        TOOL_CALL: ("</tool_call>", 30.0),
+        "<tool_call>": (tool_call, 30.0),
+        tool_call: ("</tool_call>", 30.0),
         "</tool_call>": ("<|im_end|>", 30.0),
     }
     head = torch.zeros(vocab_size, hidden)

@@ -432,7 +432,8 @@ def recipe_plan_inputs(path: str | Path, prompt_tokens: int) -> tuple[Pretrained
 RECIPE_SCRIPT_FIELDS = frozenset(
     {"dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "embedded_model_type",
      "num_prompts", "prompt_chars", "compare_with_stock_prompt_chars", "dataset_streaming",
-     "gradient_checkpointing_use_reentrant", "ignore_bias_buffers", "reward_funcs", "reward_model_name_or_path"}
+     "gradient_checkpointing_use_reentrant", "ignore_bias_buffers", "reward_funcs", "reward_model_name_or_path",
+     "tools", "report_chars"}
 )  # fmt: skip
 
 
