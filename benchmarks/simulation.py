@@ -190,9 +190,11 @@ def render(results: list[dict]) -> str:
         + " | comm GiB | sim wall s |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    rows = []
+    rows, notes = [], []
     for result in results:
         scenario = Scenario(**{**result["scenario"], "changes": tuple(map(tuple, result["scenario"]["changes"]))})
+        if "note" in result:  # a saved result a later change of the library moves, until it is simulated again
+            notes.append(f"- {scenario.name}: {result['note']}")
         simulated = SimulationReport(**_report(result))
         plan = plan_of(scenario)
         setup = plan.setup
@@ -203,6 +205,7 @@ def render(results: list[dict]) -> str:
             f"{simulated.peak_gib:,.2f} | {plan.device_bytes / GIB:,.2f} | {plan.device_bytes / GIB / simulated.peak_gib:.2f}"
             f" | {simulated.roofline_s:,.0f} | {simulated.communication_gib:,.1f} | {simulated.wall_s:,.0f} |"
         )
+    lines += ["", *notes] if notes else []
     lines += paper_table(rows)
     lines += [
         "",
