@@ -131,3 +131,4 @@ class ContextParallel:
             hand_offs.before_recompute(step)
             engine.recompute_chunk(model, state, prompt_ids, start, end, hand_offs.entry_after(step), router_weights)
             hand_offs.after_recompute()
+        hand_offs.finish_recompute()

@@ -276,6 +276,7 @@ class ChunkStateHandOffs(ShardingPiece):
         self._recorded: dict[tuple[int, int], set[int]] = {}  # capture: (id(layer state), chunk) -> slots recorded
         self._sent: Counter = Counter()  # capture: (id(layer state), chunk) -> slots sent (in order)
         self._sending: list = []  # the hand-offs in flight (capture: states; recompute: their gradients)
+        self._sent_last_step: list = []  # the recompute's hand-offs of the step before, until this step's end
         self._hooks: list = []  # recompute: the starting states' gradient hand-offs
         self._wrapped: set[int] = set()  # recompute: the recorded final states already wrapped
         self._deferred: dict[int, StatePassing] = {}  # capture: id(layer state) -> its rule's deferred start
@@ -475,7 +476,10 @@ class ChunkStateHandOffs(ShardingPiece):
 
     def after_recompute(self) -> None:
         """The chunk's hand-offs completed: the gradients sent to it for states no trained weight reaches (the next
-        chunk's rank sends every one) received and dropped, its own sends waited for."""
+        chunk's rank sends every one) received and dropped; the previous step's sends waited for. Not this step's: a
+        send to the previous chunk's rank completes when that rank receives it, which may be in its recompute of the
+        next step, whose collectives need this rank (waiting here could hang both); the previous step's receivers took
+        them by the end of this step (`finish_recompute` waits for the last step's)."""
         for like, source, tag in self._unread:
             self.cp.receive_tagged(like, source, tag)
         self._unread = []
@@ -484,8 +488,13 @@ class ChunkStateHandOffs(ShardingPiece):
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self.cp.wait(self._sending)
-        self._sending = []
+        self.cp.wait(self._sent_last_step)
+        self._sent_last_step, self._sending = self._sending, []
+
+    def finish_recompute(self) -> None:
+        """After the last step's recompute: its sends waited for."""
+        self.cp.wait(self._sent_last_step)
+        self._sent_last_step = []
 
 
 class ReceivedGradient(torch.autograd.Function):
