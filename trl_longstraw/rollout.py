@@ -20,7 +20,6 @@ one group per process).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -198,12 +197,13 @@ class ToolTurnStates:
             if (earlier := self._extended_row(ids)) is not None:
                 extending.setdefault(earlier, []).append(ids)
         continued: dict[tuple[int, ...], PromptRows] = {}
-        for earlier, rows in extending.items():
-            continued.update(self._continue(self._states[earlier], rows, extend, device, shared_span_tokens))
+        for earlier, extended in extending.items():
+            kept = self._states[earlier]
+            continued.update(self._continue(kept, extended, rows_of, extend, device, shared_span_tokens))
         prompt_rows = []
         for ids, rows in rows_of.items():
             if ids in continued:
-                prompt_rows.append(dataclasses.replace(continued[ids], rows=rows))
+                prompt_rows.append(continued[ids])
                 continue
             prompt_ids = torch.tensor(ids, device=device)
             prompt_rows.append(PromptRows(rows, prompt_ids, capture(len(prompt_rows), rows, prompt_ids)))
@@ -211,12 +211,12 @@ class ToolTurnStates:
             self.keep(dict(zip(rows_of, prompt_rows, strict=True)))
         return prompt_rows
 
-    def _continue(self, kept: PromptRows, rows: list[tuple[int, ...]], extend, device, shared_span_tokens) -> dict:
-        """The `PromptRows` (rows unset) of `rows` (token ids), each extending `kept`."""
+    def _continue(self, kept: PromptRows, rows, rows_of, extend, device, shared_span_tokens) -> dict:
+        """The `PromptRows` of `rows` (token ids, each extending `kept`; `rows_of` gives their batch rows)."""
         if extend is None:  # fed on top of the kept row's prompt state
             return {
                 ids: PromptRows(
-                    [], kept.prompt_ids, kept.state, torch.tensor(ids[len(kept.prompt_ids) :], device=device)
+                    rows_of[ids], kept.prompt_ids, kept.state, torch.tensor(ids[len(kept.prompt_ids) :], device=device)
                 )
                 for ids in rows
             }
@@ -233,7 +233,8 @@ class ToolTurnStates:
             for member in members:
                 if member not in below:
                     state = extend(parent, torch.tensor(added[member][start:], device=device))
-                    continued[rows[member]] = PromptRows([], torch.tensor(rows[member], device=device), state)
+                    ids = rows[member]
+                    continued[ids] = PromptRows(rows_of[ids], torch.tensor(ids, device=device), state)
 
         tree = [] if shared_span_tokens is None else prefix_tree(added, shared_span_tokens)
         walk(kept.state, 0, range(len(rows)), tree)
