@@ -153,7 +153,7 @@ def rank_main(rank: int, size: int, init_file: str, args: argparse.Namespace, ou
         engine.score(model, state, prompt[-1:], completions, lengths, batch_size=1)
     times["score"] = clock() - start
     start = clock()
-    for member in engine.distribution.members(args.members):
+    for member in engine.distribution.members(list(range(args.members))):
         if member is None:
             engine.stand_in(model, state, prompt[-1:], completions[0])
             continue

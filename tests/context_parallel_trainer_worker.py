@@ -64,6 +64,8 @@ def step(prompt_gradient: str, context_parallel_size: int, family: str) -> dict:
         router_aux_loss_coef=0.5 if family == "qwen3_moe" else None,
         # a quantile over each row's tokens once (each CP rank holds the group's rows)
         top_entropy_quantile=0.9 if family == "glm_moe_dsa" else 1.0,
+        # members of 5 tokens (6 replayed) in segments of 3: under CP each is run by the group in steps
+        replay_segment_size=None if tools else 3,
     )
     if tools:
         tokenizer = build_tool_calling_tokenizer()

@@ -21,6 +21,7 @@ from trl_longstraw.context_parallel import (
 )
 from trl_longstraw.embedded import build_model
 from trl_longstraw.engine import LongStrawEngine, prepare_model
+from trl_longstraw.groups import PromptGroup
 from trl_longstraw.state import AttentionPages, IndexerKeys, LatentPages
 from trl_longstraw.state.linear_attention import is_gated_deltanet, state_passing_rule
 
@@ -54,7 +55,7 @@ def update(engine, model, prompt, completions, lengths, weights, first_position=
         scored, _ = engine.score(model, state, prompt[-1:], completions, lengths, batch_size=3)
     replayed = {}
     with phase("replay"):
-        for member in engine.distribution.members(len(completions)):
+        for member in engine.distribution.members(list(range(len(completions)))):
             if member is None:
                 engine.stand_in(model, state, prompt[-1:], completions[0])
                 continue
@@ -148,9 +149,11 @@ def check_family(family, mode, cp, device="cpu"):
     }
 
 
-def rollouts(engine, model, prompts, rows_per_prompt, config, continuations=None):
+def rollouts(engine, model, prompts, rows_per_prompt, config, continuations=None, extended=False):
     """Each prompt captured once, its rows decoded from the state (as the trainer does); tokens and step logits.
-    With `continuations`, one row per continuation of the first prompt (a tool turn's rows)."""
+    With `continuations`, one row per continuation of the first prompt (a tool turn's rows): fed on top of the
+    prompt's state, or with `extended` its state continued with them where they are long enough
+    (`LongStrawEngine.extend`: under context parallelism, a continuation spread over the group)."""
     from trl_longstraw.rollout import PromptRows, decode, prepare_sampling
 
     device = prompts[0].device
@@ -169,6 +172,15 @@ def rollouts(engine, model, prompts, rows_per_prompt, config, continuations=None
     else:
         state = engine.capture(model, prompts[0], 0)
         groups = [PromptRows([row], prompts[0], state, c) for row, c in enumerate(continuations)]
+        if extended:
+            fewest = engine.distribution.continuation_tokens
+            groups = [
+                PromptRows([row], history, engine.extend(model, state, history[len(prompts[0]) - 1 : -1]))
+                if len(history) - len(prompts[0]) >= fewest
+                else group
+                for row, (history, group) in enumerate(zip(histories, groups, strict=True))
+            ]
+            assert groups[0].state.parent is state  # the long row continued the state (under CP, spread over it)
     sampling = prepare_sampling(model, config, padded, mask.to(device))
     logits = []
     torch.manual_seed(7)
@@ -186,20 +198,22 @@ def check_rollout(family, cp, device="cpu"):
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(2, 100, (n,), generator=generator) for n in (PROMPT_LENGTH, PROMPT_LENGTH - 6)]
     prompts = [p.to(device) for p in prompts]
-    continuations = [torch.randint(2, 100, (n,), generator=generator).to(device) for n in (7, 1)]
+    continuations = [torch.randint(2, 100, (n,), generator=generator).to(device) for n in (19, 1)]
     results = {}
     sampled = {"do_sample": True, "temperature": 0.9, "top_k": 40}
-    for name, settings in {"greedy": {"do_sample": False}, "sampled": sampled, "continued": sampled}.items():
+    cases = {"greedy": {"do_sample": False}, "sampled": sampled, "continued": sampled, "extended": sampled}
+    for name, settings in cases.items():
         # Token 0 is suppressed: its embedding (padding_idx) is zero, so a DSA indexer query after it scores every key
         # exactly 0, a tie that any two computations of the top-k may break differently.
         config = GenerationConfig(
             max_new_tokens=9, pad_token_id=0, eos_token_id=[1], suppress_tokens=[0], disable_compile=True, **settings
         )
-        rows = continuations if name == "continued" else None
+        rows = continuations if name in ("continued", "extended") else None
         want_tokens, want_logits = rollouts(LongStrawEngine(8, 4), model, prompts, 2, config, rows)
         tokens, logits = rollouts(
-            LongStrawEngine(8, 4, distribution=distribution_over(cp)), model, prompts, 2, config, rows
-        )
+            LongStrawEngine(8, 4, distribution=distribution_over(cp)), model, prompts, 2, config, rows,
+            extended=name == "extended",
+        )  # fmt: skip
         results[name] = {
             "same_tokens": torch.equal(tokens, want_tokens),
             "logit_error": (logits - want_logits).abs().max().item(),
@@ -350,5 +364,116 @@ def run_data_and_context_parallel(rank, world_size, init_file, mode, out_dir):
             "rank_difference": max((g - gathered[0]).abs().max().item() for g in gathered),
         }
         torch.save(result, os.path.join(out_dir, f"dpcp-{mode}-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def group_update(engine, model, prompt, completions, lengths, grad_logps, grad_entropies):
+    """The trainer's calls for one group: capture, `score_group` (which spreads a member longer than
+    `replay_segment_size`, and the spans members share, over the CP group: `ContextParallel.in_steps`, `capture_span`),
+    `update_group` (replay, and exact mode's prompt backward); the scores and the gradients summed over the group."""
+    model.zero_grad(set_to_none=True)
+    group = PromptGroup(0, list(range(len(lengths))), prompt, 2, list(lengths))
+    with torch.no_grad():
+        state = engine.capture(model, prompt, first_position=2)
+        scores = engine.score_group(model, state, group, completions)
+    engine.update_group(model, state, group, completions, grad_logps, grad_entropies)
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    if engine.distribution.lockstep:
+        grads = summed_over_group(model, grads, engine.distribution.group)
+    return scores.logps, scores.entropies, grads
+
+
+def tree_case():
+    """`tests/test_segments.py`'s tree members: spans of 6 and 4 tokens shared by 4 and 3 of 5 members (members 0 and
+    4 alike to the end, whose last span a CP group of 2 leaves to each: it keeps 4 tokens per member), one sharing
+    nothing; float64 gradients."""
+    from .test_segments import tree_members
+
+    prompt, completions, lengths, grad_logps, grad_entropies = tree_members()
+    return prompt, completions, lengths, grad_logps, grad_entropies
+
+
+def float64_model(family):
+    model = build_model(family, seed=0, dtype=torch.float64, **OVERRIDES.get(family, {}))
+    if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+        model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
+    prepare_model(model)
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    return model
+
+
+# The CP engine's settings against one process replaying every member whole and alone: members longer than 3 tokens
+# in segments (the long ones spread over the group in steps); spans of 4 tokens or more shared, whole and in segments.
+CONTINUATION_SETTINGS = {
+    "segments": {"replay_segment_size": 3, "shared_span_tokens": None},
+    "tree": {"replay_segment_size": None, "shared_span_tokens": 4},
+    "tree_segments": {"replay_segment_size": 3, "shared_span_tokens": 4},
+}
+
+
+def check_continuations(family, mode, settings, cp):
+    """A group whose long members (and the spans members share) the CP group runs together, spread over it as the
+    prompt's chunks are, against one process replaying every member whole: scores, entropies, every gradient."""
+    model = float64_model(family)
+    if settings == "segments":
+        prompt, completions, lengths, grad_logps = case()
+        grad_logps = grad_logps.double()
+        grad_entropies, lengths = grad_logps.flip(0), lengths.tolist()
+    else:
+        prompt, completions, lengths, grad_logps, grad_entropies = tree_case()
+    args = (model, prompt, completions, lengths, grad_logps, grad_entropies)
+    whole = LongStrawEngine(8, 4, prompt_gradient=mode, shared_span_tokens=None)
+    sharded = LongStrawEngine(
+        8, 4, prompt_gradient=mode, distribution=distribution_over(cp), **CONTINUATION_SETTINGS[settings]
+    )
+    want_scores, want_entropies, want_grads = group_update(whole, *args)
+    scores, entropies, grads = group_update(sharded, *args)
+    floor = 1e-3 if family in ("qwen3_5", "qwen3_next", "nemotron_h") else 0.0
+    return {
+        "score_error": (scores - want_scores).abs().max().item(),
+        "entropy_error": (entropies - want_entropies).abs().max().item(),
+        "same_parameters": sorted(grads) == sorted(want_grads),
+        "grad_errors": relative_errors(grads, want_grads, floor),
+        "spans": spans(sharded.shared_spans(completions, lengths)),
+    }
+
+
+def spans(nodes) -> list[tuple[int, int, list[int]]]:
+    """Every span of a prefix tree, `(start, end, members)`, depth first."""
+    return [span for node in nodes for span in [(node.start, node.end, node.members), *spans(node.children)]]
+
+
+def dropped_states_are_freed(cp) -> bool:
+    """Whether a captured prompt state and a continuation of it, spread over the CP group, are freed the moment the
+    last reference to them goes, without the garbage collector (a state and its sharding must not form a cycle, which
+    would keep a prompt's pages alive beside the next prompt's until a collection)."""
+    import gc
+    import weakref
+
+    model = float64_model("qwen3_5")
+    prompt = case()[0]
+    engine = LongStrawEngine(8, 4, distribution=distribution_over(cp))
+    gc.collect()
+    gc.disable()
+    try:
+        state = engine.capture(model, prompt, first_position=0)
+        continued = engine.extend(model, state, prompt[:12])
+        refs = [weakref.ref(state), weakref.ref(continued)]
+        del state, continued
+        return all(ref() is None for ref in refs)
+    finally:
+        gc.enable()
+
+
+def run_continuations(rank, world_size, init_file, cases, out_dir):
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
+    try:
+        cp = ContextParallelGroup.of()
+        results = {case: check_continuations(*case, cp) for case in cases}
+        results["freed"] = dropped_states_are_freed(cp)
+        torch.save(results, os.path.join(out_dir, f"continuations-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -137,7 +137,7 @@ def test_gated_deltanet_recompute_chunks_hand_their_state_gradients_over_inside_
 @pytest.mark.parametrize("family", ROLLOUT_FAMILIES)
 def test_rollouts_from_a_sharded_state_decode_the_single_process_tokens(ranks, family):
     for rank in ranks:
-        for sampling in ("greedy", "sampled", "continued"):
+        for sampling in ("greedy", "sampled", "continued", "extended"):
             result = rank["rollouts"][family][sampling]
             assert result["same_tokens"], sampling
             assert result["logit_error"] <= 1e-5, sampling
@@ -414,6 +414,49 @@ def test_more_context_parallel_ranks_score_replay_and_back_propagate_as_one_proc
             assert result["same_parameters"] and result["rank_difference"] == 0.0, case
             assert max(result["grad_errors"].values()) <= 1e-4, case
         assert [rank[case]["held"] for rank in ranks] == [layout.held(rank) for rank in range(world)]
+
+
+# Long members spread over the group in steps (`segments`), spans members share (`tree`), both (`tree_segments`): a
+# state kind of each family (GQA pages with sinks and a sliding window, GatedDeltaNet + attention + MoE, MLA + DSA,
+# Mamba2), both prompt-gradient modes.
+CONTINUATION_CASES = [
+    ("qwen3", "exact", "segments"),
+    ("gpt_oss", "exact", "segments"),
+    ("qwen3_5", "detach", "segments"),
+    ("qwen3_next", "exact", "tree_segments"),
+    ("glm_moe_dsa", "detach", "tree_segments"),
+    ("nemotron_h", "exact", "tree"),
+]
+
+
+@pytest.fixture(scope="module")
+def continuations(tmp_path_factory):
+    from .context_parallel_worker import run_continuations
+
+    out = tmp_path_factory.mktemp("cp-continuations")
+    fork_ranks(run_continuations, (WORLD_SIZE, str(out / "init"), CONTINUATION_CASES, str(out)), WORLD_SIZE)
+    return [torch.load(out / f"continuations-rank{rank}.pt") for rank in range(WORLD_SIZE)]
+
+
+@pytest.mark.parametrize("case", CONTINUATION_CASES, ids="-".join)
+def test_members_and_shared_spans_spread_over_the_group_score_and_train_as_whole_replays(continuations, case):
+    """A member longer than `replay_segment_size` (members of 7 and 5 tokens in segments of 3: two steps and one)
+    and the spans members share (6 and 4 tokens, three and four members below them) are captured and recomputed by
+    the CP group step by step, every rank its chunk of each step, as the prompt's chunks are: every rank scores every
+    member and ends with the gradient of one process replaying every member whole and alone (float64)."""
+    settings = case[2]
+    for rank in continuations:
+        result = rank[case]
+        assert result["score_error"] <= 1e-6 and result["entropy_error"] <= 1e-6
+        assert result["same_parameters"]
+        worst = max(result["grad_errors"], key=result["grad_errors"].get)
+        assert result["grad_errors"][worst] <= 1e-5, worst
+        shared = [(0, 6, [0, 1, 2, 4]), (6, 10, [0, 1, 4])] if settings.startswith("tree") else []
+        assert result["spans"] == shared
+
+
+def test_a_dropped_state_and_its_continuations_are_freed_without_the_garbage_collector(continuations):
+    assert all(rank["freed"] for rank in continuations)
 
 
 def test_the_step_attention_keeps_no_dsa_pick_beside_its_saved_tensors():

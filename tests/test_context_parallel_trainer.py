@@ -16,8 +16,9 @@ from .launch import run_ranks
 WORKER = os.path.join(os.path.dirname(__file__), "context_parallel_trainer_worker.py")
 
 
-# dense with tool calling (every rank runs the tools; the turns decode from the sharded state); MLA + DSA with
-# IndexShare + MoE; MoE with the load-balancing loss (its prompt sums add up across the ranks)
+# dense with tool calling (every rank runs the tools; the turns decode from the sharded state, each row's state
+# extended over the group); MLA + DSA with IndexShare + MoE; MoE with the load-balancing loss (its prompt sums add up
+# across the ranks); the last two with their members in segments, which the CP group runs in steps
 FAMILIES = ["tool_calling", "glm_moe_dsa", "qwen3_moe"]
 
 

@@ -77,6 +77,25 @@ def test_a_long_member_in_segments_is_planned_as_one_segments_graph_beside_its_e
     assert plan_run(config, dataclasses.replace(whole, replay_segment_size=8192)).account.replay.member_state == 0
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "glm_moe_dsa"])
+def test_under_context_parallelism_a_long_member_is_planned_as_one_chunk_per_rank_of_its_steps(family):
+    """R = 4,096 in segments of 1,000 on a CP group of 4 (4,097 replayed: two steps of 4 chunks of 512 or 513 tokens,
+    `ContextParallel.in_steps`): each rank's graph is one chunk's, without activation checkpointing, beside the step
+    attention's share and this rank's 1,025 tokens of the member's state as exact mode keeps it, with its gradient."""
+    config = tiny_config(family)
+    segmented = dataclasses.replace(SETUP, completion_tokens=4096, replay_segment_size=1000)
+    replay = plan_run(config, segmented, context_parallel=4).account.replay
+    assert replay.tokens == 513
+    chunk = replay_graph_account(config, 512, SETUP.prompt_tokens - 1 + 4097, SETUP.attention_chunk_size, False)
+    assert replay.saved == chunk.saved  # no activation checkpointing: every layer's activations
+    state = prompt_state_bytes(config, 1025, 2, exact=True, prefill_chunk_size=513)
+    gradient = sum(n for label, n in state.items() if label != "dsa_indexer_keys")
+    assert replay.member_state == sum(state.values()) + gradient
+    assert replay.step_attention > 0
+    alone = dataclasses.replace(segmented, replay_segment_size=None)  # every rank replays a member whole
+    assert plan_run(config, alone, context_parallel=4).account.replay.member_state == 0
+
+
 def test_a_segment_size_is_suggested_where_the_replay_does_not_fit():
     config = tiny_config("qwen3")
     setup = dataclasses.replace(SETUP, completion_tokens=65536, group_size=1, prompts_per_generation=0)
@@ -377,10 +396,6 @@ def test_the_script_names_an_unreadable_model_and_exits_2(capsys):
         (["--prompt-length", "9", "--attention-chunk-size", "0"], "--attention-chunk-size must be at least 1"),
         (["--prompt-length", "9", "--per-device-train-batch-size", "0"], "--per-device-train-batch-size must be"),
         (["--prompt-length", "9", "--replay-segment-size", "1"], "--replay-segment-size must be at least 2, got 1"),
-        (
-            ["--prompt-length", "9", "--replay-segment-size", "512", "--context-parallel-size", "2"],
-            "--replay-segment-size is not supported with --context-parallel-size > 1",
-        ),
     ],
 )
 def test_bad_flags_are_refused_before_any_config_is_read(flags, message, monkeypatch, capsys):

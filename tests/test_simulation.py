@@ -110,8 +110,15 @@ def test_sampled_iterations_account_the_work_they_stand_for():
 
 
 # -- two ranks ---------------------------------------------------------------------------------------------------------
-LAYOUTS = {"context_parallel": {"context_parallel": 2}, "fsdp2": {"weight_shards": 2}}
-RANK_CASES = [(family, mode, layout) for family in sorted(FAMILIES) for mode in MODES for layout in sorted(LAYOUTS)]
+LAYOUTS = {
+    "context_parallel": {"context_parallel": 2},
+    "fsdp2": {"weight_shards": 2},
+    # members of 23 tokens in segments of 8, each spread over the CP group in steps (`ContextParallel.in_steps`)
+    "context_parallel_segments": {"context_parallel": 2, "completion_tokens": 23, "replay_segment_size": 8},
+}
+RANK_CASES = [
+    (family, mode, layout) for family in sorted(FAMILIES) for mode in MODES for layout in ("context_parallel", "fsdp2")
+] + [("dense", "exact", "context_parallel_segments"), ("hybrid", "exact", "context_parallel_segments")]
 
 
 def _real_rank(rank: int, world: int, init: str, out: str) -> None:
@@ -142,7 +149,7 @@ def test_a_simulated_rank_holds_what_the_real_rank_holds(real_ranks, family, mod
     """Each rank of a fake world of 2 against the same rank of 2 real gloo ranks. A hybrid's later CP rank receives a
     recurrent hand-off before sending one, which a world of symmetric peers cannot answer: it is simulated as rank 0
     only, which `busiest_rank` picks (and the simulation refuses rank 1, naming rank 0)."""
-    ranks = (0,) if family == "hybrid" and layout == "context_parallel" else (0, 1)
+    ranks = (0,) if family == "hybrid" and layout.startswith("context_parallel") else (0, 1)
     for rank in ranks:
         real = real_ranks[rank][f"{family}/{mode}/{layout}"]
         fake = run(validation_spec(family, mode, fake=True, rank=rank, **LAYOUTS[layout]))

@@ -171,11 +171,6 @@ def check_plan_arguments(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error(f"--context-parallel-size must be at least 1, got {args.context_parallel_size}")
     if args.replay_segment_size is not None and args.replay_segment_size < 2:
         parser.error(f"--replay-segment-size must be at least 2, got {args.replay_segment_size}")
-    if args.replay_segment_size is not None and args.context_parallel_size > 1:
-        parser.error(
-            "--replay-segment-size is not supported with --context-parallel-size > 1 (the trainer refuses it): "
-            "give one of them"
-        )
     if args.weight_shards < 1:
         parser.error(f"--weight-shards must be at least 1, got {args.weight_shards}")
     if args.gpus is not None and args.gpus % args.weight_shards:

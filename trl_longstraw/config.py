@@ -110,7 +110,9 @@ class LongStrawGRPOConfig(GRPOConfig):
             ones, the gradient they send into it carried back exactly, segment by segment in reverse. The replay's
             peak is then the prompt state, the member's own state (and its gradient) and one segment's graph, instead
             of the whole completion's graph. Same gradients as a whole replay, in both prompt-gradient modes (see
-            docs/long-completions.md). `None`: every member is replayed whole.
+            docs/long-completions.md). Under context parallelism the CP group runs a longer member together, in steps
+            of one chunk of at most this many tokens per rank, recomputed without activation checkpointing as the
+            prompt's chunks are. `None`: every member is replayed whole.
         prompt_state_device (`str`, *optional*, defaults to `"auto"`):
             Where the prompt state lives: `"auto"` (where each layer computes: the model's device, or each layer's own
             when `device_map` splits the model over GPUs), `"cpu"`, or any available torch device.
@@ -360,12 +362,6 @@ class LongStrawGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"replay_segment_size={size} must be at least 2 (a segment feeds linear-attention layers at least two "
                 "tokens), e.g. 8192, or None to replay every member whole."
-            )
-        if self.context_parallel_size > 1:
-            raise ValueError(
-                f"replay_segment_size={size} with context_parallel_size={self.context_parallel_size}: segmented "
-                "replay continues a prompt state held on one process, and under context parallelism the prompt's "
-                "state is spread over the CP group. Set replay_segment_size=None, or context_parallel_size=1."
             )
 
     def _validate_types(self) -> None:

@@ -262,8 +262,46 @@ class Distribution(Protocol):
     # member then runs a `LongStrawEngine.stand_in`.
     lockstep: bool
 
-    def members(self, count: int) -> list[int | None]:
-        """The members of a group of `count` this process scores or replays, one per round (None: a stand-in)."""
+    # The fewest tokens a continuation of a state takes (a span members share, a member's tokens after one): a
+    # linear-attention layer replays at least two.
+    continuation_tokens: int
+
+    def members(self, members: list[int]) -> list[int | None]:
+        """Which of a group's `members` (indices) this process scores or replays alone, one per round (None: a
+        stand-in)."""
+
+    def in_steps(self, engine: LongStrawEngine, length: int) -> bool:
+        """Whether a member of `length` completion tokens is replayed (and scored) in segments (`replay_from`) rather
+        than whole, alone (`members`)."""
+
+    def capture_span(
+        self, engine: LongStrawEngine, model, parent, tokens, start, end, autocast
+    ) -> tuple[PromptState, list, torch.Tensor, torch.Tensor | None, RouterLoad | None]:
+        """Tokens `start .. end - 1` of `tokens` (one row, `MemberTokens`) captured without autograd, in
+        `replay_segment_size` pieces, into a continuation of `parent` (a shared span, or a member's segments):
+        `(continuation, pieces, log-probs [1, end - start], entropies, router load)`, the scores and the load every
+        piece's on every process."""
+
+    def backward_span(
+        self, engine: LongStrawEngine, model, span, pieces, tokens, start, scored_end, grad_logps, grad_entropies,
+        router_weights, autocast,
+    ) -> torch.Tensor:  # fmt: skip
+        """`capture_span`'s pieces, last first, forward under autograd and backward with the loss's gradient of their
+        tokens before `scored_end` (`grad_logps`, `grad_entropies`, indexed by token), the load-balancing loss's
+        (`router_weights`) and the gradient the later pieces (and the members below a span) left on their entries.
+        Returns whether every log-prob was finite (a device flag)."""
+
+    def replay_from(
+        self, engine: LongStrawEngine, model, state, offset, tokens, first, length, grad_logps, grad_entropies,
+        router_weights, autocast,
+    ) -> tuple[torch.Tensor, bool]:  # fmt: skip
+        """One member's update from its token `first` on, after `state` (`LongStrawEngine.replay_member`'s arguments
+        and returns): on one process, its segments one after the other; under context parallelism, spread over the CP
+        group as the prompt's chunks are."""
+
+    def score_from(self, engine: LongStrawEngine, model, state, offset, tokens, first, length):
+        """One member's no-grad scores from its token `first` on (`LongStrawEngine.score_member`'s arguments and
+        returns), in segments where it is longer than one; every process gets them (and the router load)."""
 
     def agree(self, decision: torch.Tensor) -> torch.Tensor:
         """A rollout step's decision (its sampled tokens, the rows still unfinished) as every process decoding these
@@ -273,6 +311,9 @@ class Distribution(Protocol):
         self, engine: LongStrawEngine, model: nn.Module, prompt_ids: torch.Tensor, first_position: int
     ) -> PromptState:
         """The prompt's state, captured without autograd (`LongStrawEngine.capture`)."""
+
+    def extend(self, engine: LongStrawEngine, model: nn.Module, state: PromptState, token_ids) -> PromptState:
+        """`token_ids` captured without autograd into a continuation of `state` (`LongStrawEngine.extend`)."""
 
     def score(
         self, engine: LongStrawEngine, model, state, last_prompt_token, completions, lengths, batch_size, router_load
@@ -289,9 +330,65 @@ class Local:
     """The whole prompt state on this process: every member its own, chunks captured and recomputed in order."""
 
     lockstep = False
+    continuation_tokens = 2
 
-    def members(self, count: int) -> list[int | None]:
-        return list(range(count))
+    def members(self, members: list[int]) -> list[int | None]:
+        return list(members)
+
+    def in_steps(self, engine, length: int) -> bool:
+        return len(engine.member_segments(length)) > 1
+
+    def capture_span(self, engine, model, parent, tokens, start, end, autocast):
+        pieces = segments(start, end, engine.replay_segment_size)
+        span = parent.continuation(end - start)
+        logps, entropies, load = [], [], None
+        with torch.no_grad(), autocast():
+            for index, (first, stop) in enumerate(pieces):
+                _, part_logps, part_entropies, part_load = engine.forward_tokens(
+                    model, span, "capture", tokens, slice(first, stop), index, -start
+                )
+                logps.append(part_logps)
+                entropies.append(part_entropies)
+                load = part_load if load is None else load + part_load
+        entropies = None if entropies[0] is None else torch.cat(entropies, dim=1)
+        return span, pieces, torch.cat(logps, dim=1), entropies, load
+
+    def backward_span(
+        self, engine, model, span, pieces, tokens, start, scored_end, grad_logps, grad_entropies, router_weights,
+        autocast,
+    ):  # fmt: skip
+        finite = []
+        layers = (
+            no_layer_checkpointing(model)
+            if reentrant_checkpointing(model)
+            else checkpointed_layers_keep_the_state(model)
+        )
+        with layers:
+            for index in reversed(range(len(pieces))):
+                first, stop = pieces[index]
+                with autocast():
+                    access, logps, entropies, load = engine.forward_tokens(
+                        model, span, "recompute", tokens, slice(first, stop), index, -start
+                    )
+                scored = max(min(stop, scored_end) - first, 0)
+                pairs = engine.token_loss_pairs(logps, entropies, grad_logps, grad_entropies, first, scored)
+                finite.append(torch.isfinite(pairs[0][0].detach()).all())
+                if router_weights is not None:
+                    objective = load.objective(router_weights)
+                    pairs.append((objective, torch.ones_like(objective)))
+                pairs += access_pairs(access, index, first - start, stop - start)
+                backward_pairs(pairs)
+        return torch.stack(finite).all()
+
+    def replay_from(
+        self, engine, model, state, offset, tokens, first, length, grad_logps, grad_entropies, router_weights, autocast
+    ):
+        return engine.replay_member(
+            model, state, offset, tokens, first, length, grad_logps, grad_entropies, router_weights, autocast
+        )
+
+    def score_from(self, engine, model, state, offset, tokens, first, length):
+        return engine.score_member(model, state, offset, tokens, first, length)
 
     def agree(self, decision: torch.Tensor) -> torch.Tensor:
         return decision
@@ -305,6 +402,13 @@ class Local:
             state.add_router_load(load)
         state.check_captured()
         return state
+
+    def extend(self, engine, model, state, token_ids):
+        continued = state.continuation(token_ids.numel())
+        for chunk_index, start in enumerate(range(0, token_ids.numel(), engine.prefill_chunk_size)):
+            chunk = token_ids[start : start + engine.prefill_chunk_size]
+            engine.backbone_forward(model, continued, "capture", chunk, start, chunk_index)
+        return continued
 
     def score(self, engine, model, state, last_prompt_token, completions, lengths, batch_size, router_load):
         logps = entropies = load = None
@@ -434,16 +538,13 @@ class LongStrawEngine:
     @torch.no_grad()
     def extend(self, model: nn.Module, state: PromptState, token_ids: torch.Tensor) -> PromptState:
         """A continuation of `state` (`PromptState.continuation`) holding `token_ids` (1-D: the tokens after its
-        captured ones), captured without autograd in chunks of `prefill_chunk_size`: a tool turn's row (its last
-        turn's tokens and the tool's output) on top of the state its earlier turns left, so that no turn captures a
-        row's history again. Not under context parallelism (`PromptState.continuation`: a state spread over a CP
-        group has none)."""
+        captured ones, at least `distribution.continuation_tokens`), captured without autograd in chunks of
+        `prefill_chunk_size` (the distribution's: under context parallelism spread over the CP group as a prompt's
+        chunks are): a tool turn's row (its last turn's tokens and the tool's output) on top of the state its earlier
+        turns left, so that no turn captures a row's history again."""
         check_prepared(model)
         state.check_fresh(weights_version(model))
-        continued = state.continuation(token_ids.numel())
-        for chunk_index, start in enumerate(range(0, token_ids.numel(), self.prefill_chunk_size)):
-            chunk = token_ids[start : start + self.prefill_chunk_size]
-            self.backbone_forward(model, continued, "capture", chunk, start, chunk_index)
+        continued = self.distribution.extend(self, model, state, token_ids)
         continued.check_captured()
         return continued
 
@@ -494,7 +595,7 @@ class LongStrawEngine:
         state.check_fresh(weights_version(model))
         tokens = MemberTokens.of(last_prompt_token, completions, lengths, self.device(model))
         with checkpointed_layers_keep_the_state(model):
-            _, logps, entropies, load = self._forward_tokens(
+            _, logps, entropies, load = self.forward_tokens(
                 model, state, "read", tokens, slice(None), 0, state.num_tokens
             )
         width = tokens.width
@@ -513,9 +614,9 @@ class LongStrawEngine:
             return self.member_forward(model, state, last_prompt_token, completions, lengths)
         state.check_fresh(weights_version(model))
         tokens = MemberTokens.of(last_prompt_token, completions, lengths, self.device(model))
-        return self._score_member(model, state, state.num_tokens, tokens, 0, int(lengths.max()))
+        return self.score_member(model, state, state.num_tokens, tokens, 0, int(lengths.max()))
 
-    def _score_member(self, model, state, offset: int, tokens: MemberTokens, first: int, length: int):
+    def score_member(self, model, state, offset: int, tokens: MemberTokens, first: int, length: int):
         """No-grad scores of one member's tokens `first ..` (`tokens`, one row of `length` completion tokens; its
         token 0 is entry `offset` of `state`): `[1, width - first]` log-probs and entropies and its router load, in
         segments (`segments.segments`) captured into a continuation of `state` where it is longer than one."""
@@ -525,7 +626,7 @@ class LongStrawEngine:
         logps, entropies, load = [], [], None
         for index, (start, end) in enumerate(pieces):
             mode = "read" if index == len(pieces) - 1 else "capture"
-            _, part_logps, part_entropies, part_load = self._forward_tokens(
+            _, part_logps, part_entropies, part_load = self.forward_tokens(
                 model, continued, mode, tokens, slice(start, end), index, offset
             )
             logps.append(part_logps)
@@ -535,7 +636,7 @@ class LongStrawEngine:
         logps = torch.cat(logps, dim=1)[:, :width]
         return logps, None if entropies[0] is None else torch.cat(entropies, dim=1)[:, :width], load
 
-    def _forward_tokens(self, model, state, mode, tokens: MemberTokens, part: slice, chunk_index: int, offset: int):
+    def forward_tokens(self, model, state, mode, tokens: MemberTokens, part: slice, chunk_index: int, offset: int):
         """One forward of the members' tokens `part` (a segment, or all of them) against `state` in `mode`: the
         access, the log-probs and entropies of each fed token's label (0 where it has none), and with `routing` the
         router load of the fed tokens the rows count. The members' token 0 is entry `offset` of `state`: the entry
@@ -604,7 +705,7 @@ class LongStrawEngine:
         from G = 2 to 16 at P = 8K). With `router_load`, the rows' load: each of stock's rows carries the prompt, so
         the captured prompt's load counts once per row, beside the members' own."""
         lengths = torch.tensor(group.completion_lengths)
-        tree = [] if self.distribution.lockstep else self.shared_spans(completions, group.completion_lengths)
+        tree = self.shared_spans(completions, group.completion_lengths)
         shared = sorted(member for node in tree for member in node.members)
         alone = [member for member in range(len(completions)) if member not in shared]
         if router_load and self.routing is None:
@@ -641,21 +742,18 @@ class LongStrawEngine:
             )
 
         def score(parent, node: PrefixNode) -> None:
-            tokens = row(node.members[0])
-            span = parent.continuation(node.end - node.start)
-            for index, (start, end) in enumerate(segments(node.start, node.end, self.replay_segment_size)):
-                _, logps, entropies, load = self._forward_tokens(
-                    model, span, "capture", tokens, slice(start, end), index, -node.start
-                )
-                for member in node.members:
-                    pieces[member].append((start, logps, entropies))
-                if load is not None:
-                    loads.append(load.times(len(node.members)))
+            span, _, logps, entropies, load = self.distribution.capture_span(
+                self, model, parent, row(node.members[0]), node.start, node.end, contextlib.nullcontext
+            )
+            for member in node.members:
+                pieces[member].append((node.start, logps, entropies))
+            if load is not None:
+                loads.append(load.times(len(node.members)))
             for child in node.children:
                 score(span, child)
             for member in node.leaves:
-                logps, entropies, load = self._score_member(
-                    model, span, -node.start, row(member), node.end, lengths[member]
+                logps, entropies, load = self.distribution.score_from(
+                    self, model, span, -node.start, row(member), node.end, lengths[member]
                 )
                 pieces[member].append((node.end, logps, entropies))
                 if load is not None:
@@ -778,29 +876,38 @@ class LongStrawEngine:
         """
         flags, replayed, routing_detached = {}, [], False
         device = self.device(model)
-        tree = [] if self.distribution.lockstep else self.shared_spans(completions, lengths)
-        shared = {member for node in tree for member in node.members}
-        for member in self.distribution.members(len(lengths)):
+        distribution = self.distribution
+        tree = self.shared_spans(completions, lengths)
+        shared = [member for node in tree for member in node.members]
+        in_steps = [m for m, n in enumerate(lengths) if m not in shared and distribution.in_steps(self, n)]
+        alone = [m for m in range(len(lengths)) if m not in shared and m not in in_steps]
+        for member in [*distribution.members(alone), *in_steps]:
             length = 0 if member is None else lengths[member]
             if member is None or (length == 0 and router_weights is None):
-                if self.distribution.lockstep:  # a round without a member of this process's: in step anyway
+                if distribution.lockstep:  # a round without a member of this process's: in step anyway
                     self.stand_in(model, state, last_prompt_token, completions[0])
                 continue
             grads = (grad_logps[member, :length], None if grad_entropies is None else grad_entropies[member, :length])
             replayed.append(member)
-            if member in shared:  # replayed with the tree of spans it shares, below
-                continue
             tokens = MemberTokens.of(last_prompt_token, completions[member][None], torch.tensor([length]), device)
-            flags[member], detached = self.replay_member(
-                model, state, state.num_tokens, tokens, 0, length, *grads, router_weights, autocast
-            )
+            if member in in_steps:
+                state.check_fresh(weights_version(model))
+                flags[member], detached = distribution.replay_from(
+                    self, model, state, state.num_tokens, tokens, 0, length, *grads, router_weights, autocast
+                )
+            else:
+                flags[member], detached = self.replay_member(
+                    model, state, state.num_tokens, tokens, 0, length, *grads, router_weights, autocast
+                )
             routing_detached = routing_detached or detached
+        replayed += shared  # with the tree of spans they share
         below, detached = self._replay_spans(
             model, state, tree, last_prompt_token, completions, lengths, grad_logps, grad_entropies, router_weights,
             autocast,
         )  # fmt: skip
         flags.update(below)
         routing_detached = routing_detached or detached
+        replayed.sort()
         finite = torch.stack([flags[member] for member in replayed]) if replayed else torch.ones(0, dtype=torch.bool)
         return ReplayedMembers(replayed, finite, routing_detached)
 
@@ -818,7 +925,7 @@ class LongStrawEngine:
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> tuple[torch.Tensor, bool]:
         """One member's update from its token `first` on (`tokens`, one row of `length` completion tokens; its token
-        0 is entry `offset` of `state`: `_forward_tokens`), back-propagating its share of the loss (`grad_logps`,
+        0 is entry `offset` of `state`: `forward_tokens`), back-propagating its share of the loss (`grad_logps`,
         `grad_entropies` `[length]`, of which tokens `first ..` are its own here; `router_weights`): whole, or, longer
         than `replay_segment_size`, in segments (`segments.segments`) as exact mode updates from the prompt.
 
@@ -852,17 +959,17 @@ class LongStrawEngine:
             if segmented:
                 with torch.no_grad(), autocast():
                     for index, (start, end) in enumerate(pieces[:-1]):
-                        self._forward_tokens(model, continued, "capture", tokens, slice(start, end), index, offset)
+                        self.forward_tokens(model, continued, "capture", tokens, slice(start, end), index, offset)
                 continued.requires_grad_()
             for index in reversed(range(len(pieces))):
                 start, end = pieces[index]
                 last = index == len(pieces) - 1
                 with autocast():
-                    access, logps, entropies, load = self._forward_tokens(
+                    access, logps, entropies, load = self.forward_tokens(
                         model, continued, "read" if last else "recompute", tokens, slice(start, end), index, offset
                     )
                 scored = max(min(end, length) - start, 0)  # the piece's tokens with a label (the last input has none)
-                pairs = self._loss_pairs(logps, entropies, grad_logps, grad_entropies, start, scored)
+                pairs = self.token_loss_pairs(logps, entropies, grad_logps, grad_entropies, start, scored)
                 finite.append(torch.isfinite(pairs[0][0].detach()).all())
                 if router_weights is not None and not routing_detached:
                     objective = load.objective(router_weights)
@@ -877,7 +984,7 @@ class LongStrawEngine:
         return torch.stack(finite).all(), routing_detached
 
     @staticmethod
-    def _loss_pairs(logps, entropies, grad_logps, grad_entropies, start: int, scored: int) -> list:
+    def token_loss_pairs(logps, entropies, grad_logps, grad_entropies, start: int, scored: int) -> list:
         """`loss.loss_pairs` of a forward's first `scored` log-probs (and entropies) with the loss's gradient of
         tokens `start .. start + scored - 1` (`grad_logps`, `grad_entropies` indexed by token)."""
         return loss_pairs(
@@ -896,7 +1003,8 @@ class LongStrawEngine:
             completions[member, :length].tolist() + [IGNORED] if length > 0 else []
             for member, length in enumerate(lengths)
         ]
-        return prefix_tree(labels, self.shared_span_tokens)
+        continuation = self.distribution.continuation_tokens
+        return prefix_tree(labels, max(self.shared_span_tokens, continuation), continuation)
 
     def _replay_spans(self, model, parent, nodes: list[PrefixNode], *group) -> tuple[dict[int, torch.Tensor], bool]:
         """`_replay_shared` of each of `nodes` from `parent`: every member's finiteness flag, and whether the
@@ -914,22 +1022,19 @@ class LongStrawEngine:
     ) -> tuple[dict[int, torch.Tensor], bool]:  # fmt: skip
         """The update of the members below `node`, whose tokens `node.start .. node.end - 1` they feed and predict
         alike: the span captured once without autograd into a continuation of `parent` (the prompt state, or the
-        node above's), its entries made autograd leaves; the nodes below and the members that go on alone
-        (`replay_member`) updated from it; then the span's segments, last first, forward under autograd and backward
-        with the sum of its members' shares of the loss (the load-balancing loss's once per member: each member's row
-        carries the span) and the gradient the members left on its entries. Returns each member's finiteness flag
-        (its own tokens' and every span's above it) and whether the load-balancing loss got no gradient."""
-        owner = node.members[0]
+        node above's; `Distribution.capture_span`), its entries made autograd leaves; the nodes below and the members
+        that go on alone (`Distribution.replay_from`) updated from it; then the span's segments, last first, forward
+        under autograd and backward with the sum of its members' shares of the loss (the load-balancing loss's once
+        per member: each member's row carries the span) and the gradient the members left on its entries
+        (`Distribution.backward_span`). Under context parallelism the CP group runs each of these together, the span
+        spread over it as the prompt's chunks are. Returns each member's finiteness flag (its own tokens' and every
+        span's above it) and whether the load-balancing loss got no gradient."""
         device = self.device(model)
         row = lambda member: MemberTokens.of(
             last_prompt_token, completions[member][None], torch.tensor([lengths[member]]), device
         )
-        tokens = row(owner)
-        pieces = segments(node.start, node.end, self.replay_segment_size)
-        span = parent.continuation(node.end - node.start)
-        with torch.no_grad(), autocast():
-            for index, (start, end) in enumerate(pieces):
-                self._forward_tokens(model, span, "capture", tokens, slice(start, end), index, -node.start)
+        tokens = row(node.members[0])
+        span, pieces, *_ = self.distribution.capture_span(self, model, parent, tokens, node.start, node.end, autocast)
         span.requires_grad_()
         flags, routing_detached = self._replay_spans(
             model, span, node.children, last_prompt_token, completions, lengths, grad_logps, grad_entropies,
@@ -937,32 +1042,20 @@ class LongStrawEngine:
         )  # fmt: skip
         for member in node.leaves:
             length = lengths[member]
-            flags[member], detached = self.replay_member(
-                model, span, -node.start, row(member), node.end, length, grad_logps[member, :length],
+            flags[member], detached = self.distribution.replay_from(
+                self, model, span, -node.start, row(member), node.end, length, grad_logps[member, :length],
                 None if grad_entropies is None else grad_entropies[member, :length], router_weights, autocast,
             )  # fmt: skip
             routing_detached = routing_detached or detached
-        finite = []
         summed_logps = grad_logps[node.members].sum(dim=0)
         summed_entropies = None if grad_entropies is None else grad_entropies[node.members].sum(dim=0)
-        reentrant = reentrant_checkpointing(model)
-        routing_detached = routing_detached or (reentrant and router_weights is not None)
-        layers = no_layer_checkpointing(model) if reentrant else checkpointed_layers_keep_the_state(model)
-        with layers:
-            for index in reversed(range(len(pieces))):
-                start, end = pieces[index]
-                with autocast():
-                    access, logps, entropies, load = self._forward_tokens(
-                        model, span, "recompute", tokens, slice(start, end), index, -node.start
-                    )
-                pairs = self._loss_pairs(logps, entropies, summed_logps, summed_entropies, start, end - start)
-                finite.append(torch.isfinite(pairs[0][0].detach()).all())
-                if router_weights is not None and not routing_detached:
-                    objective = load.objective(router_weights * len(node.members))
-                    pairs.append((objective, torch.ones_like(objective)))
-                pairs += access_pairs(access, index, start - node.start, end - node.start)
-                backward_pairs(pairs)
-        span_finite = torch.stack(finite).all()
+        routing_detached = routing_detached or (reentrant_checkpointing(model) and router_weights is not None)
+        # the load-balancing loss's once per member: each member's row carries the span
+        span_weights = None if routing_detached or router_weights is None else router_weights * len(node.members)
+        span_finite = self.distribution.backward_span(
+            self, model, span, pieces, tokens, node.start, node.end, summed_logps, summed_entropies, span_weights,
+            autocast,
+        )  # fmt: skip
         return {member: flag & span_finite for member, flag in flags.items()}, routing_detached
 
     def stand_in(self, model: nn.Module, state: PromptState, last_prompt_token, completion) -> None:

@@ -34,12 +34,15 @@ from .accounting import (
     UpdateAccount,
     UpdateSetup,
     prompt_state_bytes,
+    replay_in_steps_account,
     step_attention_bytes,
     stock_activation_bytes,
     update_account,
 )
 from .context_parallel import ShardLayout
+from .context_parallel.state import CONTINUATION_CHUNK_TOKENS
 from .fsdp import is_sharded, shard_count
+from .segments import segments
 
 logger = logging.get_logger(__name__)
 
@@ -235,6 +238,14 @@ def plan_run(
             step_attention_bytes, config, context_parallel=context_parallel, dtype_bytes=setup.dtype_bytes
         )
         capture, replay = account.capture, account.replay
+        replayed = setup.completion_tokens + 1
+        size = setup.replay_segment_size
+        if len(segments(0, replayed, size)) > 1 and replayed >= CONTINUATION_CHUNK_TOKENS * context_parallel:
+            # the CP group replays each member in steps, every rank a chunk of it (`ContextParallel.in_steps`)
+            member = ShardLayout.of(replayed, context_parallel, size, CONTINUATION_CHUNK_TOKENS)
+            chunk = max(end - start for start, end in member.bounds)
+            held = max(member.held_tokens(rank) for rank in range(context_parallel))
+            replay = replay_in_steps_account(config, setup, chunk, held)
         account = dataclasses.replace(
             account,
             capture=dataclasses.replace(capture, step_attention=step(capture.tokens, grad=False)),
@@ -318,15 +329,15 @@ def _suggestions(config, plan: Plan, stock_rows: int, devices: int | None) -> li
     for change in strongest:
         if (candidate := planned(change)).fits:
             record(change, candidate)
-    if plan.context_parallel == 1:  # a long member in segments (not under context parallelism: the trainer refuses)
-        size = min(setup.replay_segment_size or setup.completion_tokens, setup.completion_tokens) // 2
-        if size >= SMALLEST_CHUNK:
-            strongest.append({"replay_segment_size": SMALLEST_CHUNK})
-        while size >= SMALLEST_CHUNK:
-            if (candidate := planned({"replay_segment_size": size})).fits:
-                record({"replay_segment_size": size}, candidate)
-                break
-            size //= 2
+    # a long member in segments (under context parallelism spread over the CP group)
+    size = min(setup.replay_segment_size or setup.completion_tokens, setup.completion_tokens) // 2
+    if size >= SMALLEST_CHUNK:
+        strongest.append({"replay_segment_size": SMALLEST_CHUNK})
+    while size >= SMALLEST_CHUNK:
+        if (candidate := planned({"replay_segment_size": size})).fits:
+            record({"replay_segment_size": size}, candidate)
+            break
+        size //= 2
     for field in ("prefill_chunk_size", "attention_chunk_size"):
         size = getattr(setup, field) // 2
         if size >= SMALLEST_CHUNK:
@@ -339,8 +350,8 @@ def _suggestions(config, plan: Plan, stock_rows: int, devices: int | None) -> li
     largest = min(devices or LARGEST_CONTEXT_PARALLEL, LARGEST_CONTEXT_PARALLEL)
     size = plan.context_parallel * 2
 
-    def context_parallel(ranks: int) -> dict:  # segments are refused under context parallelism: dropped with it
-        return {"context_parallel": ranks, **({"replay_segment_size": None} if setup.replay_segment_size else {})}
+    def context_parallel(ranks: int) -> dict:
+        return {"context_parallel": ranks}
 
     if size <= largest:
         strongest.append(context_parallel(largest))

@@ -150,8 +150,8 @@ class PromptRows:
     """The rows of a generation batch that share one prompt, and that prompt's captured state.
 
     `continuation` (tokens every one of these rows has after the tokens the state holds, but the last) is fed on top
-    of the state in the rollout's first forward: a tool-calling turn's earlier completion and tool results, where the
-    state cannot be continued (`LongStrawEngine.extend`: under context parallelism).
+    of the state in the rollout's first forward: what a tool-calling turn's row added since its last turn, where it
+    is too few tokens to continue the state with (`LongStrawEngine.extend`: under context parallelism, two per rank).
     """
 
     rows: list[int]
@@ -166,9 +166,10 @@ class ToolTurnStates:
     turn's tokens and the tool's output) is captured into a continuation of that row's state
     (`LongStrawEngine.extend`), so a row's history is captured once whatever its number of turns. Rows extending one
     kept row share its state, and the spans of what they added that they have alike (64 tokens or more,
-    `segments.prefix_tree`) are captured once, each row going on from its deepest. Where states cannot be continued
-    (context parallelism), a row's tokens since its prompt are fed on top of the prompt's state in the turn's first
-    forward (`PromptRows.continuation`). Released when the generation ends, before scoring."""
+    `segments.prefix_tree`) are captured once, each row going on from its deepest. A row that added fewer tokens than
+    a continuation takes (`Distribution.continuation_tokens`: under context parallelism two per rank, the
+    continuation spread over the CP group) feeds them on top of the state in the turn's first forward
+    (`PromptRows.continuation`). Released when the generation ends, before scoring."""
 
     def __init__(self):
         self._states: dict[tuple[int, ...], PromptRows] | None = None
@@ -182,16 +183,17 @@ class ToolTurnStates:
         self,
         rows_of: dict[tuple[int, ...], list[int]],
         capture: Callable[[int, list[int], torch.Tensor], PromptState],
-        extend: Callable[[PromptState, torch.Tensor], PromptState] | None,
+        extend: Callable[[PromptState, torch.Tensor], PromptState],
         device: torch.device,
         shared_span_tokens: int | None = None,
+        continuation_tokens: int = 1,
     ) -> list[PromptRows]:
         """This turn's rows by prompt (`rows_of`: token ids -> rows): in a tool turn, a row extending a kept row
-        continues its state (`extend(state, tokens)`: a continuation of `state` holding `tokens`; None: states cannot
-        be continued); any other row is captured (`capture(index, rows, prompt_ids)`). Spans of `shared_span_tokens`
-        or more that rows extending one kept row added alike are captured once (None: not looked for). In a tool turn,
-        this turn's rows are kept for the next (the states they continue stay alive through them); the others are
-        released."""
+        continues its state (`extend(state, tokens)`: a continuation of `state` holding `tokens`, at least
+        `continuation_tokens` of them; fewer are fed on top of it); any other row is captured
+        (`capture(index, rows, prompt_ids)`). Spans of `shared_span_tokens` or more that rows extending one kept row
+        added alike are captured once (None: not looked for). In a tool turn, this turn's rows are kept for the next
+        (the states they continue stay alive through them); the others are released."""
         extending: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
         for ids in rows_of if self.in_tool_loop else ():
             if (earlier := self._extended_row(ids)) is not None:
@@ -199,7 +201,9 @@ class ToolTurnStates:
         continued: dict[tuple[int, ...], PromptRows] = {}
         for earlier, extended in extending.items():
             kept = self._states[earlier]
-            continued.update(self._continue(kept, extended, rows_of, extend, device, shared_span_tokens))
+            continued.update(
+                self._continue(kept, extended, rows_of, extend, device, shared_span_tokens, continuation_tokens)
+            )
         prompt_rows = []
         for ids, rows in rows_of.items():
             if ids in continued:
@@ -211,15 +215,9 @@ class ToolTurnStates:
             self.keep(dict(zip(rows_of, prompt_rows, strict=True)))
         return prompt_rows
 
-    def _continue(self, kept: PromptRows, rows, rows_of, extend, device, shared_span_tokens) -> dict:
-        """The `PromptRows` of `rows` (token ids, each extending `kept`; `rows_of` gives their batch rows)."""
-        if extend is None:  # fed on top of the kept row's prompt state
-            return {
-                ids: PromptRows(
-                    rows_of[ids], kept.prompt_ids, kept.state, torch.tensor(ids[len(kept.prompt_ids) :], device=device)
-                )
-                for ids in rows
-            }
+    def _continue(self, kept: PromptRows, rows, rows_of, extend, device, shared_span_tokens, fewest) -> dict:
+        """The `PromptRows` of `rows` (token ids, each extending `kept`; `rows_of` gives their batch rows), each
+        continuing `kept`'s state with `extend` where it added `fewest` tokens or more."""
         held = len(kept.prompt_ids) - 1  # the kept row's state holds its tokens but the last
         added = [list(ids[held:-1]) for ids in rows]  # the kept row's last token on, but the row's last
         continued = {}
@@ -232,11 +230,20 @@ class ToolTurnStates:
                 below.update(node.members)
             for member in members:
                 if member not in below:
-                    state = extend(parent, torch.tensor(added[member][start:], device=device))
-                    ids = rows[member]
-                    continued[ids] = PromptRows(rows_of[ids], torch.tensor(ids, device=device), state)
+                    ids, own = rows[member], added[member][start:]
+                    if len(own) >= fewest:
+                        state = extend(parent, torch.tensor(own, device=device))
+                        continued[ids] = PromptRows(rows_of[ids], torch.tensor(ids, device=device), state)
+                        continue
+                    # too few to continue `parent` with (which holds the row's tokens before `own`): fed on top of it
+                    held_here = len(ids) - len(own)
+                    fed = torch.tensor(ids[held_here:], device=device) if own else None
+                    prompt_ids = torch.tensor(ids[:held_here], device=device)
+                    continued[ids] = PromptRows(rows_of[ids], prompt_ids, parent, fed)
 
-        tree = [] if shared_span_tokens is None else prefix_tree(added, shared_span_tokens)
+        tree = []
+        if shared_span_tokens is not None:
+            tree = prefix_tree(added, max(shared_span_tokens, fewest), own_tokens=fewest)
         walk(kept.state, 0, range(len(rows)), tree)
         return continued
 

@@ -50,14 +50,18 @@ class PrefixNode:
         return [member for member in self.members if member not in below]
 
 
-def prefix_tree(labels: list[list[int]], min_tokens: int) -> list[PrefixNode]:
+def prefix_tree(labels: list[list[int]], min_tokens: int, own_tokens: int = 2) -> list[PrefixNode]:
     """The spans of at least `min_tokens` tokens that two or more members predict alike, as trees: `labels[i]` is
-    member `i`'s label per replayed token (its completion, then `IGNORED`). A span stops two tokens before its
-    shortest member's end, so that every member still feeds at least two tokens of its own."""
-    return _shared(list(range(len(labels))), 0, labels, max(min_tokens, 2))
+    member `i`'s label per replayed token (its completion, then `IGNORED`). A span stops `own_tokens` (at least two)
+    tokens before its shortest member's end, so that every member still feeds that many tokens of its own (under
+    context parallelism, two per rank)."""
+    own_tokens = max(own_tokens, 2)
+    return _shared(list(range(len(labels))), 0, labels, max(min_tokens, 2), own_tokens)
 
 
-def _shared(members: list[int], start: int, labels: list[list[int]], min_tokens: int) -> list[PrefixNode]:
+def _shared(
+    members: list[int], start: int, labels: list[list[int]], min_tokens: int, own_tokens: int
+) -> list[PrefixNode]:
     """The nodes of `members`, which predict alike before `start` (or start there)."""
     if len(members) < 2:
         return []
@@ -65,14 +69,22 @@ def _shared(members: list[int], start: int, labels: list[list[int]], min_tokens:
     agreed = start
     while agreed < shortest and len({labels[member][agreed] for member in members}) == 1:
         agreed += 1
-    end = min(agreed, shortest - 2)
+    end = min(agreed, shortest - own_tokens)
     if end - start >= min_tokens:
-        children = [node for group in _split(members, end, labels) for node in _shared(group, end, labels, min_tokens)]
+        children = [
+            node
+            for group in _split(members, end, labels)
+            for node in _shared(group, end, labels, min_tokens, own_tokens)
+        ]
         return [PrefixNode(start, end, members, children)]
     if agreed >= shortest:  # alike to the end of the shortest member, and too short to share
         return []
     # they part at `agreed`: each group of those that go on alike may still share a long enough span from `start`
-    return [node for group in _split(members, agreed, labels) for node in _shared(group, start, labels, min_tokens)]
+    return [
+        node
+        for group in _split(members, agreed, labels)
+        for node in _shared(group, start, labels, min_tokens, own_tokens)
+    ]
 
 
 def _split(members: list[int], at: int, labels: list[list[int]]) -> list[list[int]]:

@@ -628,9 +628,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             def extend(state, token_ids):
                 return self.engine.extend(causal_lm, state, token_ids)
 
-            continues = self.parallel_layout.cp_group is None  # a sharded state has no continuation
             prompt_rows = self._tool_turns.prompt_rows(
-                rows_of, capture, extend if continues else None, device, self.engine.shared_span_tokens
+                rows_of,
+                capture,
+                extend,
+                device,
+                self.engine.shared_span_tokens,
+                self.engine.distribution.continuation_tokens,
             )
             with self._phase("rollout"), self.accelerator.autocast():
                 completion_ids = decode(self.engine, causal_lm, prompt_rows, padded, sampling)

@@ -300,6 +300,28 @@ def segmented_replay_account(config: PretrainedConfig | nn.Module, setup: Update
     return replace(graph, member_state=sum(state.values()) + gradient)
 
 
+def replay_in_steps_account(
+    config: PretrainedConfig | nn.Module, setup: UpdateSetup, chunk_tokens: int, held_tokens: int
+) -> GraphAccount:
+    """ESTIMATE of one rank's share of a member's replay under context parallelism when the CP group replays it in
+    steps (`ContextParallel.in_steps`: longer than `setup.replay_segment_size`): the graph of one chunk of the
+    member of `chunk_tokens` tokens without activation checkpointing (the chunks are recomputed as the prompt's are),
+    beside this rank's `held_tokens` of the member's state, kept as exact mode keeps a prompt's, and their gradient
+    (all of it but the DSA indexer keys). The step attention's share is the caller's (`plan_run`)."""
+    replayed = setup.completion_tokens + 1
+    graph = replay_graph_account(
+        config,
+        chunk_tokens - 1,
+        setup.prompt_tokens - 1 + replayed,
+        setup.attention_chunk_size,
+        False,
+        setup.dtype_bytes,
+    )
+    state = prompt_state_bytes(config, held_tokens, setup.dtype_bytes, exact=True, prefill_chunk_size=chunk_tokens)
+    gradient = sum(bytes_ for label, bytes_ in state.items() if label != "dsa_indexer_keys")
+    return replace(graph, member_state=sum(state.values()) + gradient)
+
+
 def capture_chunk_account(
     config: PretrainedConfig | nn.Module,
     prefill_chunk_size: int,

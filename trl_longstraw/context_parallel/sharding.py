@@ -40,9 +40,10 @@ class ShardLayout:
     bounds: tuple[tuple[int, int], ...]
 
     @classmethod
-    def of(cls, num_tokens: int, size: int, chunk_size: int) -> ShardLayout:
-        """`steps x size` chunks of at most about `chunk_size` tokens (at least one token each: `num_tokens >= size`)."""
-        steps = max(1, min(-(-num_tokens // (size * chunk_size)), num_tokens // size))
+    def of(cls, num_tokens: int, size: int, chunk_size: int, min_tokens: int = 1) -> ShardLayout:
+        """`steps x size` chunks of at most about `chunk_size` tokens (at least `min_tokens` each: `num_tokens >=
+        size * min_tokens`)."""
+        steps = max(1, min(-(-num_tokens // (size * chunk_size)), num_tokens // (size * min_tokens)))
         count = steps * size
         return cls(
             num_tokens, size, tuple((c * num_tokens // count, (c + 1) * num_tokens // count) for c in range(count))

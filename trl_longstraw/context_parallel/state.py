@@ -40,6 +40,10 @@ from .merge import merge_across, merge_topk, partial_attention
 from .sharding import ContextParallelError, ShardLayout
 from .step import StepAttention, StepCall, exchange, gather_step
 
+# A continuation's chunks (a member's segments) run under autograd: at least two tokens each, so that linear-attention
+# layers take their chunked (differentiable) kernel path, as a member's replay does.
+CONTINUATION_CHUNK_TOKENS = 2
+
 
 class PromptSharding:
     """One rank's share of a prompt state under context parallelism, set on its `PromptState` (`state.sharding`) by
@@ -52,19 +56,53 @@ class PromptSharding:
 
     def __init__(self, state: PromptState, cp: ContextParallelGroup, layout: ShardLayout):
         refuse_unsharded_layers(state.layers)
-        self.state, self.cp, self.layout = state, cp, layout
+        # the state holds its sharding: a proxy back, not a cycle, so that a state is freed as soon as it is dropped
+        # (a cycle waits for the garbage collector, which may keep a prompt's pages alive beside the next prompt's)
+        self.state, self.cp, self.layout = weakref.proxy(state), cp, layout
         self._rows: tuple[weakref.ref, list[int]] | None = None  # the forward whose rows' lengths were gathered
         self.attention = ShardedAttention(self)
         self.selection = ShardedSelection(self)
         self.hand_offs = ChunkStateHandOffs(self)
 
+    def continuation(self, state: PromptState, num_tokens: int, chunk_size: int) -> PromptState:
+        """A continuation of `state` (the one this sharding serves, which the continuation holds on to:
+        `PromptState.continuation`, `num_tokens` tokens after its captured ones, whose forwards read its entries
+        first) that is itself spread over the CP group: its tokens cut into steps of `cp` chunks of at most about
+        `chunk_size` as a prompt's are (`ShardLayout`), each rank holding one chunk per step. So the CP group captures
+        and recomputes a long member's segments as it does the prompt's chunks, every rank its chunk of the step at
+        once (`ContextParallel.replay_from`)."""
+        if num_tokens < CONTINUATION_CHUNK_TOKENS * self.cp.size:
+            raise ContextParallelError(
+                f"A continuation of {num_tokens} tokens cannot give each of the {self.cp.size} ranks of its CP group "
+                f"{CONTINUATION_CHUNK_TOKENS} tokens."
+            )
+        layout = ShardLayout.of(num_tokens, self.cp.size, chunk_size, CONTINUATION_CHUNK_TOKENS)
+        continued = PromptState(
+            state.plans,
+            num_tokens=num_tokens,
+            start_position=state.start_position + state.num_tokens,
+            device=state.geometry.placement.device,
+            weights_version=state.weights_version,
+            exact=True,
+            layout=layout,
+            rank=self.cp.rank,
+            continues=state,
+        )
+        continued.sharding = PromptSharding(continued, self.cp, layout)
+        return continued
+
     def chunk_positions(self, chunk: int) -> torch.Tensor:
         start, end = self.layout.bounds[chunk]
         return torch.arange(self.state.start_position + start, self.state.start_position + end)
 
+    def chunk_at(self, access) -> int:
+        """The chunk of `layout` the capture (or recompute) forward `access` runs (its tokens start after
+        `access.prefix_length` captured tokens: a continuation's after the prompt's)."""
+        return self.layout.chunk_at(access.prefix_length - self.state.geometry.first_index)
+
     def step_chunks(self, access) -> list[int]:
         """Every rank's chunk of the capture (or recompute) step this forward runs, by rank."""
-        return self.layout.step_chunks(self.layout.chunk_at(access.prefix_length) // self.cp.size)
+        return self.layout.step_chunks(self.chunk_at(access) // self.cp.size)
 
     def rows_lengths(self, access) -> list[int]:
         """Every rank's row width in this scoring or replay forward (each rank runs its own members), by rank: read
@@ -126,7 +164,7 @@ class ShardedAttention(ShardingPiece):
     def _decode_attention(self, access, layer, query, own_keys, own_values, scalars, sinks, indices):
         """A rollout step: every rank decodes the same rows, each over its pages (rank 0 also over the rows' own
         entries, with the sinks), merged across the group (`merge.merge_across`)."""
-        blocks, tensors = (list(part) for part in layer.page_block(query.dtype, None, indices))
+        blocks, tensors = (list(part) for part in held_pages(layer, query.dtype, None, indices))
         counts_rows = self.cp.rank == 0
         if counts_rows:
             own_picked = None if indices is None else indices.long() - access.prefix_length
@@ -159,7 +197,8 @@ class ShardedAttention(ShardingPiece):
             positions = tuple(torch.arange(first, first + n) for n in self.sharding.rows_lengths(access))
         else:
             chunks = self.sharding.step_chunks(access)
-            starts = tuple(self.layout.bounds[chunk][0] for chunk in chunks)
+            # key indices (a continuation's count on from the prompt's)
+            starts = tuple(self.state.geometry.first_index + self.layout.bounds[chunk][0] for chunk in chunks)
             limit, kind, first_index = (
                 self.state.local_prefix(min(starts)),
                 access.mode,
@@ -167,11 +206,11 @@ class ShardedAttention(ShardingPiece):
             )  # the pages of earlier steps
             positions = tuple(self.sharding.chunk_positions(chunk) for chunk in chunks)
         selections = None if indices is None else tuple(self.sharding.selection.step_selections)
-        page_blocks, page_tensors = layer.page_block(query.dtype, limit)
+        page_blocks, page_tensors = held_pages(layer, query.dtype, limit)
         if selections is None:
             page_blocks = (page_blocks,) * self.cp.size
         else:  # each rank's queries pick their own pages
-            page_blocks = tuple(layer.page_block(query.dtype, limit, selection)[0] for selection in selections)
+            page_blocks = tuple(held_pages(layer, query.dtype, limit, selection)[0] for selection in selections)
         call = StepCall(
             self.cp,
             starts,
@@ -183,6 +222,15 @@ class ShardedAttention(ShardingPiece):
             first_index,
         )
         return StepAttention.apply(query, sinks, own_keys, own_values, call, *page_tensors)
+
+
+def held_pages(layer: LayerState, dtype: torch.dtype, limit: int | None, indices: torch.Tensor | None = None):
+    """`(KeyBlock, ...)` and their tensors of this rank's pages of `layer` (`LayerState.page_block`: its first
+    `limit`, all by default), after every page this rank holds of the states `layer`'s continues (a continuation's
+    forward reads the prompt's pages first)."""
+    blocks, tensors = ((), []) if layer.parent is None else held_pages(layer.parent, dtype, None, indices)
+    own_blocks, own_tensors = layer.page_block(dtype, limit, indices)
+    return (*blocks, *own_blocks), [*tensors, *own_tensors]
 
 
 class ShardedSelection(ShardingPiece):
@@ -206,10 +254,10 @@ class ShardedSelection(ShardingPiece):
                 (n, self.state.num_tokens + n, self.state.geometry.num_tokens)
                 for n in self.sharding.rows_lengths(access)
             ]
-        calls = []
+        calls, first = [], self.state.geometry.first_index
         for chunk in self.sharding.step_chunks(access):
             start, end = self.layout.bounds[chunk]
-            calls.append((end - start, end, self.state.local_prefix(start)))
+            calls.append((end - start, first + end, self.state.local_prefix(first + start)))
         return calls
 
     def before_selection(self, access, call: dict) -> None:
@@ -240,7 +288,7 @@ class ShardedSelection(ShardingPiece):
             best = candidates
             if rank != self.cp.rank:
                 call = self._step_calls[rank]
-                best = layer.prompt_candidates(call, None, tops[rank], limit, access.attention_chunk_size)
+                best = layer.held_candidates(call, None, tops[rank], limit, access.attention_chunk_size)
             slots = torch.full((1, tokens, width, 2), -1.0, dtype=torch.float64, device=candidates[0].device)
             slots[..., 0] = float("-inf")
             if best is not None:  # scores and key indices side by side (indices are exact in float64)
@@ -278,7 +326,9 @@ class ChunkStateHandOffs(ShardingPiece):
         self._sending: list = []  # the hand-offs in flight (capture: states; recompute: their gradients)
         self._sent_last_step: list = []  # the recompute's hand-offs of the step before, until this step's end
         self._hooks: list = []  # recompute: the starting states' gradient hand-offs
-        self._wrapped: set[int] = set()  # recompute: the recorded final states already wrapped
+        # recompute: the recorded final states already wrapped, by id, kept alive until the step's end (a freed
+        # tensor's id may be reused by a later one, which would then look wrapped and its gradient never received)
+        self._wrapped: dict[int, torch.Tensor] = {}
         self._deferred: dict[int, StatePassing] = {}  # capture: id(layer state) -> its rule's deferred start
         self._hand_offs: dict[int, StatePassing] = {}  # recompute: chunk-state tag -> its rule's hand-off
         self._unread: list = []  # recompute: (like, source, tag) of the hand-offs no backward will receive
@@ -299,7 +349,7 @@ class ChunkStateHandOffs(ShardingPiece):
     def starting_chunk_states(self, access, layer: LayerState, slot: int) -> None:
         """Capture: before `layer` first reads its state `slot` in a chunk, the previous chunk's final states up to
         that one (received from its holder, in order, or this rank's own) become the chunk's starting states."""
-        chunk = self.layout.chunk_at(access.prefix_length)
+        chunk = self.sharding.chunk_at(access)
         chunk_states = layer.chunk_states()
         started, in_place = self._started.get(id(layer), (None, 0))
         if started != chunk:  # the prompt's first chunk starts from none
@@ -320,7 +370,7 @@ class ChunkStateHandOffs(ShardingPiece):
         its recurrent rule without the starting recurrent state, which it receives once its zero-state pass is done,
         where the layer kind can take it so (GatedDeltaNet with transformers' kernel hook); else the mixer waits for
         it (a wavefront)."""
-        chunk = self.layout.chunk_at(access.prefix_length)
+        chunk = self.sharding.chunk_at(access)
         if chunk == 0 or self.layout.owner(chunk - 1) == self.cp.rank:
             return False
         slot = layer.chunk_state_slot("recurrent")
@@ -343,7 +393,7 @@ class ChunkStateHandOffs(ShardingPiece):
         step run each GatedDeltaNet layer's backward at once, a chunk waiting for the next chunk's scan backward, not
         for its whole layer. Where the rule cannot take it (Mamba2; a one-token chunk), the gradient is received as
         the backward reaches the layer (`recorded_chunk_state`): a wavefront."""
-        chunk = self.layout.chunk_at(access.prefix_length)
+        chunk = self.sharding.chunk_at(access)
         owners = [
             self.layout.owner(c) if 0 <= c < len(self.layout.bounds) else self.cp.rank for c in (chunk - 1, chunk + 1)
         ]
@@ -376,7 +426,7 @@ class ChunkStateHandOffs(ShardingPiece):
         gradient the next chunk's holder computed for its starting state. Recorded here, inside the forward, the
         function sits in the graph between the layer and the next, so the backward receives it as it reaches the
         layer (a wavefront: that rank back-propagates through the layer first), not before."""
-        chunk = self.layout.chunk_at(access.prefix_length)
+        chunk = self.sharding.chunk_at(access)
         after = chunk + 1 < len(self.layout.bounds) and self.layout.owner(chunk + 1) != self.cp.rank
         if access.mode == "recompute":
             tag = self._chunk_state_tags[id(layer)] + slot
@@ -412,12 +462,12 @@ class ChunkStateHandOffs(ShardingPiece):
         for slot, value in enumerate(values):
             if value is None or id(value) in self._wrapped:
                 continue
-            self._wrapped.add(id(value))
+            self._wrapped[id(value)] = value
             if not value.requires_grad:  # no trained weight reaches it (frozen layers below): received, unused
                 self._unread.append((torch.empty_like(value), source, first + slot))
             elif not self._taken_by_rule(first + slot):  # (else its rule's backward receives it)
                 values[slot] = ReceivedGradient.apply(value, self.cp, source, first + slot)
-                self._wrapped.add(id(values[slot]))
+                self._wrapped[id(values[slot])] = values[slot]
         access.recorded[layer] = values[0] if single else values
 
     def finish_capture(self) -> None:

@@ -381,9 +381,15 @@ class GroupUpdate:
         completions = torch.randint(vocab, (group, setup.completion_tokens), generator=generator).to(self.device)
         whole_group = PromptGroup(0, list(range(group)), prompt, 0, [setup.completion_tokens] * group)
         chunks = -(-(setup.prompt_tokens - 1) // setup.prefill_chunk_size)
-        members = len(engine.distribution.members(group))
         segments = len(engine.member_segments(setup.completion_tokens))  # forwards per member scored
-        replays = members * (2 * segments - 1)  # a segmented replay captures all but its last segment first
+        replays = 2 * segments - 1  # a segmented replay captures all but its last segment first
+        if spec.context_parallel > 1 and engine.distribution.in_steps(engine, setup.completion_tokens):
+            members = group  # each by the whole CP group, a chunk of each segment per rank, all captured first
+            segments = -(-segments // spec.context_parallel)
+            replays = 2 * segments
+        else:
+            members = len(engine.distribution.members(list(range(group))))
+        replays *= members
         passes = {"replay": replays, "prompt_backward": -(-chunks // spec.context_parallel)}
         state = None
         if spec.decode_steps:

@@ -191,13 +191,19 @@ class IndexerKeys(LayerState):
         own_scores = own_scores.masked_fill(own_index < 0, float("-inf"))
         values, picked = own_scores.topk(min(k, own_scores.shape[-1]), dim=-1)
         limit = access.state.local_prefix(access.prefix_length)
-        best = self.prompt_candidates(call, (values, own_index[picked]), k, limit, access.attention_chunk_size)
-        parent = self.parent
-        while parent is not None:  # a continuation: the keys of the states it continues, every one of them
-            best = parent.prompt_candidates(call, best, k, parent.keys.length, access.attention_chunk_size)
-            parent = parent.parent
+        best = self.held_candidates(call, (values, own_index[picked]), k, limit, access.attention_chunk_size)
         sharding = access.state.sharding
         return best if sharding is None else sharding.selection.finish_selection(access, self, best, k)
+
+    def held_candidates(self, call: dict, best, k: int, limit: int, block: int):
+        """`prompt_candidates` of the first `limit` pages held here and of every key held here of the states this
+        one continues (a continuation: the prompt's keys, then its earlier segments')."""
+        best = self.prompt_candidates(call, best, k, limit, block)
+        parent = self.parent
+        while parent is not None:
+            best = parent.prompt_candidates(call, best, k, parent.keys.length, block)
+            parent = parent.parent
+        return best
 
     def prompt_candidates(self, call: dict, best, k: int, limit: int, block: int):
         """`best` (or nothing) merged with the top-`k` candidates (as global key indices) of the first `limit` pages

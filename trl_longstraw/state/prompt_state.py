@@ -99,19 +99,21 @@ class PromptState:
         self.router_load: RouterLoad | None = None
         self.sharding: PromptSharding | None = None  # context parallelism's serving, set by its distribution
 
-    def continuation(self, num_tokens: int) -> PromptState:
+    def continuation(self, num_tokens: int, chunk_size: int | None = None) -> PromptState:
         """An empty state for `num_tokens` tokens that follow this one's captured tokens (a long member's earlier
         segments, `LongStrawEngine`): its forwards read this state's entries first, then its own.
 
         Its own entries are captured like a prompt's and kept as exact mode keeps them (every entry, every segment
         boundary), in the model's dtype, and are always made autograd leaves: a member's own tokens get their full
         gradient whatever the prompt's gradient mode; this state's entries get gradients only in exact mode.
+
+        Under context parallelism the continuation is spread over the CP group too, in chunks of at most about
+        `chunk_size` tokens (`PromptSharding.continuation`).
         """
         if self.sharding is not None:
-            raise NotImplementedError(
-                "A member's segments continue a prompt state held on one process; under context parallelism (this "
-                "state's chunks are spread over a CP group) replay_segment_size is not supported: set it to None."
-            )
+            if chunk_size is None:
+                raise ValueError("A continuation of a state spread over a CP group needs its chunk_size.")
+            return self.sharding.continuation(self, num_tokens, chunk_size)
         geometry = self.geometry
         return PromptState(
             self.plans,

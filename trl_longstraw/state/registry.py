@@ -344,7 +344,8 @@ class PromptGeometry:
     layout: ShardLayout | None = None  # context parallelism: the whole prompt's chunks and the rank holding each
     rank: int = 0  # this process's rank in `layout`
     # a member's segments (`PromptState.continuation`): the index of their first entry among the captured tokens of
-    # the prompt and the segments together (the prompt's count); 0 for a prompt
+    # the prompt and the segments together (the prompt's count); 0 for a prompt. Under context parallelism `layout`
+    # then cuts the segments' tokens (its indices count from here).
     first_index: int = 0
 
     @property
@@ -356,7 +357,7 @@ class PromptGeometry:
         """Indices among the whole prompt's captured tokens of the entries `first .. end - 1` held here (host)."""
         if self.layout is None:
             return torch.arange(self.first_index + first, self.first_index + end)
-        return self.layout.global_indices(self.rank, first, end)
+        return self.first_index + self.layout.global_indices(self.rank, first, end)
 
     def positions(self, first: int, end: int) -> torch.Tensor:
         """Absolute positions of the entries `first .. end - 1` held here (host)."""
@@ -364,20 +365,21 @@ class PromptGeometry:
 
     def local_indices(self, indices: torch.Tensor) -> torch.Tensor:
         """Captured-token `indices` as indices of the entries held here; -1 (or out of range) where not held here."""
-        if self.layout is None:
-            return indices - self.first_index if self.first_index else indices
-        return self.layout.local_indices(self.rank, indices)
+        indices = indices - self.first_index if self.first_index else indices
+        return indices if self.layout is None else self.layout.local_indices(self.rank, indices)
 
     def held_before(self, index: int) -> int:
         """How many of the captured tokens before index `index` are held here."""
         if self.layout is None:
             return min(max(0, index - self.first_index), self.num_tokens)
-        return self.layout.held_before(self.rank, index)
+        return self.layout.held_before(self.rank, index - self.first_index)
 
     def next_query(self, end: int) -> int:
         """The first captured-token index a query may have once the tokens before `end` are captured: what a sliding
         window must still keep entries for (under CP, the start of the next capture step)."""
-        return end if self.layout is None else self.layout.next_query(end)
+        if self.layout is None:
+            return end
+        return self.first_index + self.layout.next_query(end - self.first_index)
 
 
 STATE_KINDS: dict[str, type[LayerState]] = {}
