@@ -422,7 +422,6 @@ def test_more_context_parallel_ranks_score_replay_and_back_propagate_as_one_proc
 CONTINUATION_CASES = [
     ("qwen3", "exact", "segments"),
     ("gpt_oss", "exact", "segments"),
-    ("qwen3_5", "detach", "segments"),
     ("qwen3_next", "exact", "tree_segments"),
     ("glm_moe_dsa", "detach", "tree_segments"),
     ("nemotron_h", "exact", "tree"),

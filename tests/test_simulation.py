@@ -118,7 +118,7 @@ LAYOUTS = {
 }
 RANK_CASES = [
     (family, mode, layout) for family in sorted(FAMILIES) for mode in MODES for layout in ("context_parallel", "fsdp2")
-] + [("dense", "exact", "context_parallel_segments"), ("hybrid", "exact", "context_parallel_segments")]
+] + [("dense", "exact", "context_parallel_segments")]
 
 
 def _real_rank(rank: int, world: int, init: str, out: str) -> None:
