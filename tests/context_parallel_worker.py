@@ -190,8 +190,13 @@ def rollouts(engine, model, prompts, rows_per_prompt, config, continuations=None
 
 def check_rollout(family, cp, device="cpu"):
     """Greedy and seeded sampling from the sharded state against the same rollouts from one process's state, and
-    rows continuing the first prompt with tokens of their own (a tool turn)."""
+    rows continuing the first prompt with tokens of their own (a tool turn), their decoded tokens in suffix pages of
+    4 (a rank process of its own: the module's page size is this process's)."""
     from transformers import GenerationConfig
+
+    import trl_longstraw.state.suffix
+
+    trl_longstraw.state.suffix.SUFFIX_PAGE_TOKENS = 4
 
     model = build_model(family, seed=0, **OVERRIDES.get(family, {})).to(device)
     prepare_model(model)

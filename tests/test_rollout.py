@@ -177,22 +177,48 @@ def test_decode_memory_is_one_prompt_state_plus_a_suffix_per_row(family):
         assert suffix.nbytes() == rows * (10 * account.bytes_per_token() + fixed) == rows * account.bytes(10)
 
 
-def test_a_suffix_grows_with_what_its_rows_decoded_not_to_its_capacity():
-    """A long rollout's entries grow in pages (`SUFFIX_PAGE_TOKENS` at least, half what they hold at least): they
-    hold at most 1.5x the decoded tokens plus a page, never the capacity up front, and each entry is copied about
-    twice in all (linear in the rollout's length, not quadratic), the entries read back as written."""
+def test_a_suffix_grows_by_pages_and_copies_nothing():
+    """A long rollout's entries are kept in pages (`SUFFIX_PAGE_TOKENS`), allocated as the rows reach them: a decode
+    step adds at most one page (bounded memory per step, whatever the length), never the capacity up front, no entry
+    is ever copied (every page keeps its storage from its first write on), and the entries read back as written."""
     rows, width, steps = 2, 4, 3000
     suffix = Suffix(rows, capacity=1_000_000, first_position=0)
-    owner, copied, storage = object(), 0, None
+    owner, storages, page_bytes = object(), [], rows * SUFFIX_PAGE_TOKENS * width * 4
     for step in range(steps):
-        entries = suffix.extend(owner, "key", torch.full((rows, 1, width), float(step)), dim=1)
-        if entries.untyped_storage().data_ptr() != storage:
-            copied, storage = copied + suffix.length, entries.untyped_storage().data_ptr()
+        held = suffix.nbytes()
+        blocks = suffix.extend(owner, "key", torch.full((rows, 1, width), float(step)), dim=1)
         suffix.advance(1)
-        held = suffix.nbytes() // (rows * width * 4)
-        assert suffix.length <= held <= 1.5 * suffix.length + SUFFIX_PAGE_TOKENS
-    assert copied <= 2 * steps
-    assert torch.equal(entries[1, :, 3], torch.arange(steps, dtype=torch.float32))
+        assert suffix.nbytes() - held in (0, page_bytes)  # at most one new page per step
+        assert suffix.nbytes() <= page_bytes * -(-suffix.length // SUFFIX_PAGE_TOKENS)
+        pointers = [block.untyped_storage().data_ptr() for block in blocks]
+        assert pointers[: len(storages)] == storages  # earlier pages never move
+        storages = pointers
+    assert torch.equal(torch.cat(blocks, dim=1)[1, :, 3], torch.arange(steps, dtype=torch.float32))
+    assert [block.shape[1] for block in blocks] == [SUFFIX_PAGE_TOKENS] * (steps // SUFFIX_PAGE_TOKENS) + [
+        steps % SUFFIX_PAGE_TOKENS
+    ]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "glm_moe_dsa", "deepseek_v3", "gpt_oss"])
+def test_rows_decoding_past_several_suffix_pages_decode_generates_tokens(family, monkeypatch):
+    """Suffix pages of 4 tokens over 14 decoded tokens, and rows fed 9 tokens on top of their prompt's state in one
+    forward (a write across pages): attention reads every page as a block (K/V, MLA latents), a DSA indexer (top-12
+    of up to 44 keys, so the selection matters) scores the last page with the forward's own keys and the earlier
+    pages block by block; tokens and logits as `generate`'s."""
+    monkeypatch.setattr("trl_longstraw.state.suffix.SUFFIX_PAGE_TOKENS", 4)
+    dsa = {"index_topk": 12, "index_n_heads": 32} if family == "glm_moe_dsa" else {}
+    model = build_model(family, seed=0, **dsa).float()
+    prompts = random_prompts(model, [23])
+    # token 0's embedding is zero: a DSA query after it scores every key 0, a tie any two top-k may break differently
+    config = generation_config(max_new_tokens=14, suppress_tokens=[PAD])
+    want_tokens, want_logits = generate(model, prompts, 2, config)
+    logits = []
+    tokens, _ = rollout(model, prompts, 2, config, logits)
+    assert torch.equal(tokens, want_tokens)
+    assert max(float((got - want).abs().max()) for got, want in zip(logits, want_logits, strict=True)) < 1e-5
+    (tokens, logits), (want_tokens, want_logits) = continued_rows(model, config, "fed")
+    assert torch.equal(tokens, want_tokens)
+    assert max(float((got - want).abs().max()) for got, want in zip(logits, want_logits, strict=True)) < 1e-5
 
 
 def test_trainer_captures_each_prompt_once_per_step_on_policy(tokenizer, prompt_dataset, tmp_path):

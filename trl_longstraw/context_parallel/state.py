@@ -147,8 +147,8 @@ class ShardedAttention(ShardingPiece):
         access,
         layer: LayerState,
         query: torch.Tensor,
-        own_keys: torch.Tensor,
-        own_values: torch.Tensor,
+        own_keys: list[torch.Tensor],
+        own_values: list[torch.Tensor],
         scalars: AttentionScalars,
         sinks: torch.Tensor | None = None,
         indices: torch.Tensor | None = None,
@@ -167,9 +167,12 @@ class ShardedAttention(ShardingPiece):
         blocks, tensors = (list(part) for part in held_pages(layer, query.dtype, None, indices))
         counts_rows = self.cp.rank == 0
         if counts_rows:
-            own_picked = None if indices is None else indices.long() - access.prefix_length
-            blocks.append(KeyBlock(access.own_positions(own_keys.shape[1]), shared=False, picked=own_picked))
-            tensors += [own_keys, own_values]
+            for keys, values, (positions, first) in zip(
+                own_keys, own_values, access.own_blocks(own_keys), strict=True
+            ):
+                picked = None if indices is None else indices.long() - first
+                blocks.append(KeyBlock(positions, shared=False, picked=picked))
+                tensors += [keys, values]
         with torch.autocast(query.device.type, enabled=False):
             out, lse = partial_attention(
                 query,
@@ -177,7 +180,7 @@ class ShardedAttention(ShardingPiece):
                 scalars,
                 tuple(blocks),
                 tuple(tensors),
-                own_values.shape[-1],
+                own_values[0].shape[-1],
                 sinks if counts_rows else None,
             )
             out, _ = merge_across(out, lse, self.cp)
@@ -221,6 +224,7 @@ class ShardedAttention(ShardingPiece):
             kind,
             first_index,
         )
+        [own_keys], [own_values] = own_keys, own_values  # one block outside a rollout
         return StepAttention.apply(query, sinks, own_keys, own_values, call, *page_tensors)
 
 

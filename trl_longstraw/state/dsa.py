@@ -175,12 +175,14 @@ class IndexerKeys(LayerState):
     @torch.no_grad()
     def extend(self, access, keys: torch.Tensor) -> torch.Tensor:
         """The indexer keys the model's indexer scores in this forward: its own `keys [batch, tokens, dim]` (decoding:
-        after the rows' earlier ones), never the prompt's, which `select` visits block by block. A capture also
-        writes them into the pages."""
+        after the rows' earlier ones of their last suffix page, `Suffix.extend_last_page`), never the prompt's or the
+        rows' earlier pages, which `select` visits block by block. A capture also writes them into the pages."""
         if access.mode == "capture":
             self.keys.append(keys[:1])
             return keys
-        return access.own_entries(self, "keys", keys, dim=1)
+        if access.suffix is None:
+            return keys
+        return access.suffix.extend_last_page(self, "keys", keys, dim=1)
 
     @torch.no_grad()
     def select(self, access, call: dict, own_scores: torch.Tensor, own_index: torch.Tensor, k: int):
@@ -190,8 +192,14 @@ class IndexerKeys(LayerState):
         (`PromptSharding.selection`)."""
         own_scores = own_scores.masked_fill(own_index < 0, float("-inf"))
         values, picked = own_scores.topk(min(k, own_scores.shape[-1]), dim=-1)
+        best = values, own_index[picked]
+        if access.suffix is not None and bool((own_index >= 0).any()):  # the rows' earlier pages, where counted
+            for page, keys in enumerate(access.suffix.earlier_pages(self, "keys")):
+                first = access.prefix_length + page * keys.shape[1]
+                key_index = torch.arange(first, first + keys.shape[1], device=keys.device)
+                best = merge_candidates(best, block_candidates(self.mixer, call, keys, key_index, k), k)
         limit = access.state.local_prefix(access.prefix_length)
-        best = self.held_candidates(call, (values, own_index[picked]), k, limit, access.attention_chunk_size)
+        best = self.held_candidates(call, best, k, limit, access.attention_chunk_size)
         sharding = access.state.sharding
         return best if sharding is None else sharding.selection.finish_selection(access, self, best, k)
 
@@ -287,9 +295,12 @@ def _indexer_called(module, args, kwargs) -> None:
     if not isinstance(access, StateAccess) or access.output_unread(module.layer_idx):
         return  # a forward without prompt state, or a selection only the skipped attention would apply
     state, hidden = access.state, call["hidden_states"]
-    own = hidden.shape[1] + (access.suffix.length if access.suffix is not None else 0)
-    k = min(module.index_topk, access.prefix_length + own)  # as the indexer would over the prompt's and own keys
-    own_index = torch.arange(access.prefix_length, access.prefix_length + own, device=hidden.device)
+    tokens, decoded, earlier = hidden.shape[1], 0, 0
+    if access.suffix is not None:  # the own keys: the rows' last suffix page, then this forward's
+        decoded, earlier = access.suffix.length, access.suffix.last_page_length
+    k = min(module.index_topk, access.prefix_length + decoded + tokens)  # as the indexer would over every key
+    first = access.prefix_length + decoded - earlier
+    own_index = torch.arange(first, first + earlier + tokens, device=hidden.device)
     sharding = state.sharding
     if sharding is not None:
         own_index = sharding.selection.own_keys(access, own_index)

@@ -111,13 +111,14 @@ class LatentPages(LayerState):
         """Absorbed MLA of this forward's tokens over the latent pages and over themselves, as one softmax (within
         the layer's window on a sliding layer: Dots 3 Note's)."""
         module = self.mixer
-        own_keys = access.own_entries(self, "latent", self.own_latents(access), dim=1)  # decoding: earlier ones first
+        latents = self.own_latents(access)
+        own_keys = access.own_entries(self, "latent", latents, dim=1)  # decoding: the earlier ones' pages first
         absorbed, values = absorb(module, query)
-        own_values = own_keys[..., : module.kv_lora_rank]
+        own_values = [keys[..., : module.kv_lora_rank] for keys in own_keys]
         visibility = self.visibility(sliding_window)
         scalars = AttentionScalars(scaling, access.attention_chunk_size, visibility)
         out = access.state.attention(access, self, absorbed, own_keys, own_values, scalars, indices=indices)
-        self.keep(access, key, value, latents=own_keys)
+        self.keep(access, key, value, latents=latents)
         return values(out)
 
     def page_block(self, dtype, limit=None, indices=None):

@@ -163,24 +163,24 @@ class PromptState:
         access: StateAccess,
         layer: LayerState,
         query: torch.Tensor,
-        own_keys: torch.Tensor,
-        own_values: torch.Tensor,
+        own_keys: list[torch.Tensor],
+        own_values: list[torch.Tensor],
         scalars: AttentionScalars,
         sinks: torch.Tensor | None = None,
         indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`query [batch, heads, tokens, d]` over `layer`'s pages (`LayerState.page_block`) and this forward's own
-        entries `own_keys/own_values [batch * key groups, entries, d]` (the last ones at the forward's positions), as
-        one softmax; DSA `indices` (global key indices: the prompt's tokens, then the own entries) restrict both.
+        entries `own_keys/own_values`, blocks of `[batch * key groups, entries, d]` (`StateAccess.own_entries`: the
+        last ones at the forward's positions), as one softmax; DSA `indices` (global key indices: the prompt's tokens, then the own entries) restrict both.
         Every captured page is read, except while the exact recompute of a chunk reads only the pages before it. Under
         context parallelism, over every rank's pages as one softmax (`PromptSharding.attention`)."""
         if self.sharding is not None:
             return self.sharding.attention(access, layer, query, own_keys, own_values, scalars, sinks, indices)
         limit = self.local_prefix(access.prefix_length) if access.mode == "recompute" else None
         blocks = self.page_blocks(layer, query.dtype, limit, indices)
-        own_picked = None if indices is None else indices.long() - access.prefix_length
-        own = KeyBlock(access.own_positions(own_keys.shape[1]), shared=False, picked=own_picked)
-        blocks.append((own_keys, own_values, own))
+        for keys, values, (positions, first) in zip(own_keys, own_values, access.own_blocks(own_keys), strict=True):
+            picked = None if indices is None else indices.long() - first
+            blocks.append((keys, values, KeyBlock(positions, shared=False, picked=picked)))
         return attention_over_blocks(query, blocks, access.query_positions, scalars, sinks)
 
     def page_blocks(self, layer: LayerState, dtype: torch.dtype, limit: int | None, indices: torch.Tensor | None):
@@ -286,20 +286,23 @@ class StateAccess(Cache):
 
     def own_entries(
         self, owner: LayerState, name: str, values: torch.Tensor, dim: int, window: int | None = None
-    ) -> torch.Tensor:
-        """This forward's own entries of `owner` (its tokens along `dim`): as given, or, decoding, the rows' suffix
-        followed by them (one entry set per row, never beside a copy of the prompt's; with a sliding `window`, only
-        the suffix entries the window still reads)."""
+    ) -> list[torch.Tensor]:
+        """This forward's own entries of `owner` (its tokens along `dim`), as blocks along `dim` that end with them:
+        `[values]`, or, decoding, the rows' suffix pages (`Suffix.extend`: one entry set per row, never beside a copy
+        of the prompt's; with a sliding `window`, one block of the suffix entries the window still reads)."""
         if self.suffix is None:
-            return values
+            return [values]
         return self.suffix.extend(owner, name, values, dim, window)
 
-    def own_positions(self, count: int) -> torch.Tensor:
-        """Absolute positions of the `count` own entries returned by `own_entries` (the last ones: they end with this
-        forward's tokens)."""
-        if self.suffix is None:
-            return self.query_positions
-        return self.suffix.positions(count, self.query_positions.numel())
+    def own_blocks(self, blocks: list[torch.Tensor], dim: int = 1) -> list[tuple[torch.Tensor, int]]:
+        """Each of `own_entries`'s `blocks`: the absolute positions of its entries (host) and the key index of its
+        first entry (a DSA selection's global index: the captured tokens, then the own entries)."""
+        counts = [block.shape[dim] for block in blocks]
+        total, new = sum(counts), self.query_positions.numel()
+        positions = self.query_positions if self.suffix is None else self.suffix.positions(total, new)
+        first = self.prefix_length + (0 if self.suffix is None else self.suffix.length + new - total)
+        starts = [first + sum(counts[:index]) for index in range(len(counts))]
+        return list(zip(positions.split(counts), starts, strict=True))
 
     # -- attention-like mixers (through the registered attention function) -------------------------------------------
     def output_unread(self, layer_idx: int) -> bool:
@@ -348,7 +351,7 @@ class StateAccess(Cache):
         # DSA's indexer scores its queries against the own keys through the masks (state/dsa.py)
         if not self.state.extends_masks:
             return 0
-        return self.suffix.length if self.suffix is not None else 0
+        return self.suffix.last_page_length if self.suffix is not None else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return query_length + self.get_seq_length(layer_idx), 0
