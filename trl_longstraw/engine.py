@@ -275,12 +275,12 @@ class Distribution(Protocol):
         than whole, alone (`members`)."""
 
     def capture_span(
-        self, engine: LongStrawEngine, model, parent, tokens, start, end, autocast
-    ) -> tuple[PromptState, list, torch.Tensor, torch.Tensor | None, RouterLoad | None]:
+        self, engine: LongStrawEngine, model, parent, tokens, start, end, autocast, scores: bool = True
+    ) -> tuple[PromptState, list, torch.Tensor | None, torch.Tensor | None, RouterLoad | None]:
         """Tokens `start .. end - 1` of `tokens` (one row, `MemberTokens`) captured without autograd, in
         `replay_segment_size` pieces, into a continuation of `parent` (a shared span, or a member's segments):
         `(continuation, pieces, log-probs [1, end - start], entropies, router load)`, the scores and the load every
-        piece's on every process."""
+        piece's on every process; without `scores` (a replay's capture) the scores and load may be None."""
 
     def backward_span(
         self, engine: LongStrawEngine, model, span, pieces, tokens, start, scored_end, grad_logps, grad_entropies,
@@ -338,7 +338,7 @@ class Local:
     def in_steps(self, engine, length: int) -> bool:
         return len(engine.member_segments(length)) > 1
 
-    def capture_span(self, engine, model, parent, tokens, start, end, autocast):
+    def capture_span(self, engine, model, parent, tokens, start, end, autocast, scores=True):
         pieces = segments(start, end, engine.replay_segment_size)
         span = parent.continuation(end - start)
         logps, entropies, load = [], [], None
@@ -1034,7 +1034,9 @@ class LongStrawEngine:
             last_prompt_token, completions[member][None], torch.tensor([lengths[member]]), device
         )
         tokens = row(node.members[0])
-        span, pieces, *_ = self.distribution.capture_span(self, model, parent, tokens, node.start, node.end, autocast)
+        span, pieces, *_ = self.distribution.capture_span(
+            self, model, parent, tokens, node.start, node.end, autocast, scores=False
+        )
         span.requires_grad_()
         flags, routing_detached = self._replay_spans(
             model, span, node.children, last_prompt_token, completions, lengths, grad_logps, grad_entropies,

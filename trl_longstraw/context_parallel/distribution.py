@@ -72,11 +72,11 @@ class ContextParallel:
         the prompt's (`replay_from`)."""
         return len(engine.member_segments(length)) > 1 and length + 1 >= self.continuation_tokens
 
-    def capture_span(self, engine, model, parent, tokens, start, end, autocast):
+    def capture_span(self, engine, model, parent, tokens, start, end, autocast, scores=True):
         """Every rank captures its chunk of each step of the tokens (`PromptSharding.continuation`: in chunks of at
         most `replay_segment_size`, a step of one chunk per rank where that is None), as the prompt's capture does.
         The pieces are this rank's chunks, `(step, start, end)` in token indices, in step order. Scores and router
-        load: every rank's chunks', summed over the group (one all-reduce)."""
+        load: every rank's chunks', summed over the group (one all-reduce each; without `scores`, none: None)."""
         chunk_size = engine.replay_segment_size or -(-(end - start) // self.group.size)
         span = parent.continuation(end - start, chunk_size)
         layout = span.sharding.layout
@@ -98,6 +98,8 @@ class ContextParallel:
                     scored[1, first - start : stop - start] = entropies[0]
                 load = part_load if load is None else load + part_load
         span.sharding.hand_offs.finish_capture()
+        if not scores:  # a replay's capture: nothing reads them
+            return span, pieces, None, None, None
         scored = self.group.all_reduce(scored, kind="scores").to(device)
         if load is not None:
             load = self._summed_over_group(engine, load, kind="scores")
@@ -156,7 +158,7 @@ class ContextParallel:
         (`capture_span`), then updated step by step in reverse (`backward_span`), as exact mode updates from the
         prompt. Its log-probs' finiteness on this rank (a device flag), and False: the load-balancing loss got its
         gradient (the chunks run without activation checkpointing)."""
-        span, pieces, *_ = self.capture_span(engine, model, state, tokens, first, length + 1, autocast)
+        span, pieces, *_ = self.capture_span(engine, model, state, tokens, first, length + 1, autocast, scores=False)
         span.requires_grad_()
         finite = self._backward_steps(
             engine, model, span, pieces, tokens, first, length, grad_logps, grad_entropies, router_weights, autocast
