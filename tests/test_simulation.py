@@ -11,6 +11,7 @@ process, as `trl-longstraw plan --simulate` runs it.
 import dataclasses
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from trl_longstraw.accounting import UpdateSetup
 from trl_longstraw.embedded import tiny_config
 from trl_longstraw.plan import load_model_config, recipe_plan_inputs
-from trl_longstraw.simulation import busiest_rank, run_simulations
+from trl_longstraw.simulation import busiest_rank, run_simulations, runtime
 from trl_longstraw.simulation.update import SimulationSpec, run
 
 from .launch import fork_ranks
@@ -279,3 +280,28 @@ def test_the_cuda_simulation_runs_every_phase_with_the_gpu_kernels_stand_ins(cud
         assert report.communication_gib > 0 and report.world["size"] == spec.world_size
     if spec.setup["state_device"] == "cpu":  # the pages on the host, the device's peak without them
         assert report.phases["capture"]["host_peak_gib"] > 0
+
+
+def test_another_install_of_torch_gets_a_stand_in_runtime_linked_against_its_own_libraries(tmp_path, monkeypatch):
+    """The compiled runtime is cached per torch install: one linked against a virtual environment since deleted
+    cannot load (libc10 not found), so another install of the same torch version must not reuse it."""
+    if torch.backends.cuda.is_built():
+        pytest.skip("a torch build with CUDA needs no stand-in runtime")
+    builds = []
+
+    def compile_(command, **_):
+        builds.append(command)
+        Path(command[command.index("-o") + 1]).write_bytes(b"")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(runtime.subprocess, "run", compile_)
+    libraries = []
+    for install in ("env-a", "env-b", "env-a"):
+        package = tmp_path / install / "torch"
+        package.mkdir(parents=True, exist_ok=True)
+        (package / "__init__.py").touch()
+        monkeypatch.setattr(torch, "__file__", str(package / "__init__.py"))
+        libraries.append(runtime.fake_cuda_library(tmp_path / "cache"))
+    assert libraries[0] != libraries[1] and libraries[2] == libraries[0]  # built once per install
+    assert len(builds) == 2
+    assert f"-Wl,-rpath,{tmp_path / 'env-b' / 'torch' / 'lib'}" in builds[1]

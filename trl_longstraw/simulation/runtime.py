@@ -79,7 +79,10 @@ def fake_cuda_library(cache: Path | None = None) -> Path | None:
         return None
     source = files("trl_longstraw.simulation").joinpath("fake_cuda.cpp").read_bytes()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    key = hashlib.sha256(source + f"{torch.__version__};{abi}".encode()).hexdigest()[:16]
+    # The library finds torch's by the path it was linked against: another install of the same torch (another virtual
+    # environment, a checkout that has since been deleted) gets a library of its own.
+    torch_dir = Path(torch.__file__).resolve().parent
+    key = hashlib.sha256(source + f"{torch.__version__};{abi};{torch_dir}".encode()).hexdigest()[:16]
     root = cache or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trl_longstraw"
     library = root / f"fake_cuda-{key}.so"
     if library.is_file():
@@ -91,7 +94,6 @@ def fake_cuda_library(cache: Path | None = None) -> Path | None:
             "CUDA device guard once): install one (e.g. `apt install g++`) or set CXX."
         )
     root.mkdir(parents=True, exist_ok=True)
-    torch_dir = Path(torch.__file__).parent
     source_file = root / f"fake_cuda-{key}.cpp"
     source_file.write_bytes(source)
     partial = library.with_suffix(f".{os.getpid()}.tmp")
