@@ -366,18 +366,11 @@ class Local:
         with layers:
             for index in reversed(range(len(pieces))):
                 first, stop = pieces[index]
-                with autocast():
-                    access, logps, entropies, load = engine.forward_tokens(
-                        model, span, "recompute", tokens, slice(first, stop), index, -start
-                    )
-                scored = max(min(stop, scored_end) - first, 0)
-                pairs = engine.token_loss_pairs(logps, entropies, grad_logps, grad_entropies, first, scored)
-                finite.append(torch.isfinite(pairs[0][0].detach()).all())
-                if router_weights is not None:
-                    objective = load.objective(router_weights)
-                    pairs.append((objective, torch.ones_like(objective)))
-                pairs += access_pairs(access, index, first - start, stop - start)
-                backward_pairs(pairs)
+                part_finite, _ = engine.backward_part(
+                    model, span, "recompute", tokens, slice(first, stop), index, -start, scored_end, grad_logps,
+                    grad_entropies, router_weights, autocast, held=(first - start, stop - start),
+                )  # fmt: skip
+                finite.append(part_finite)
         return torch.stack(finite).all()
 
     def replay_from(
@@ -674,6 +667,36 @@ class LongStrawEngine:
             load = RouterLoad.of(router_logits[-1], self.routing, tokens.routed[:, part])
         return access, outputs.log_probs, outputs.entropy, load
 
+    def backward_part(
+        self, model, state, mode, tokens: MemberTokens, part: slice, chunk_index: int, offset: int, scored_end: int,
+        grad_logps, grad_entropies, router_weights, autocast, held: tuple[int, int] | None = None,
+        every_layer: bool = False,
+    ) -> tuple[torch.Tensor, bool]:  # fmt: skip
+        """One part of a member's or a shared span's tokens under autograd (`forward_tokens` in `mode`), then one
+        backward of: its tokens' share of the loss (those before `scored_end` have a label; `grad_logps`,
+        `grad_entropies` indexed by token), the load-balancing loss's (`router_weights`), and with `held` (the
+        `[start, end)` of the part's entries in `state`'s numbering, as `access_pairs` takes them) the gradient the
+        later parts left on its entries. With `every_layer`, the log-probs with a zero gradient too: a CP rank's
+        backward then reaches every layer's collectives whatever its share of the loss. Returns whether the part's
+        log-probs were finite (a device flag, not read here) and whether the load-balancing loss had no graph to
+        reach (a layer run inside no_grad by reentrant checkpointing)."""
+        with autocast():
+            access, logps, entropies, load = self.forward_tokens(model, state, mode, tokens, part, chunk_index, offset)
+        scored = max(min(part.stop, scored_end) - part.start, 0)  # the part's tokens with a label
+        pairs = self.token_loss_pairs(logps, entropies, grad_logps, grad_entropies, part.start, scored)
+        finite = torch.isfinite(logps[0, :scored].detach()).all()
+        routing_detached = False
+        if router_weights is not None:
+            objective = load.objective(router_weights)
+            routing_detached = not objective.requires_grad
+            pairs.append((objective, torch.ones_like(objective)))
+        if held is not None:
+            pairs += access_pairs(access, chunk_index, *held)
+        if every_layer:
+            pairs.append((logps, torch.zeros_like(logps)))
+        backward_pairs(pairs)
+        return finite, routing_detached
+
     def score(
         self,
         model: nn.Module,
@@ -964,23 +987,16 @@ class LongStrawEngine:
             for index in reversed(range(len(pieces))):
                 start, end = pieces[index]
                 last = index == len(pieces) - 1
-                with autocast():
-                    access, logps, entropies, load = self.forward_tokens(
-                        model, continued, "read" if last else "recompute", tokens, slice(start, end), index, offset
-                    )
-                scored = max(min(end, length) - start, 0)  # the piece's tokens with a label (the last input has none)
-                pairs = self.token_loss_pairs(logps, entropies, grad_logps, grad_entropies, start, scored)
-                finite.append(torch.isfinite(pairs[0][0].detach()).all())
-                if router_weights is not None and not routing_detached:
-                    objective = load.objective(router_weights)
-                    if not objective.requires_grad:  # the whole member under reentrant checkpointing
-                        routing_detached = True
-                        warn_routing_detached()
-                    else:
-                        pairs.append((objective, torch.ones_like(objective)))
-                if not last:  # the gradient the later segments left on this segment's entries
-                    pairs += access_pairs(access, index, start - first, end - first)
-                backward_pairs(pairs)
+                # the last piece's entries are nobody's state; an earlier one's got the later pieces' gradient
+                part_finite, detached = self.backward_part(
+                    model, continued, "read" if last else "recompute", tokens, slice(start, end), index, offset,
+                    length, grad_logps, grad_entropies, None if routing_detached else router_weights, autocast,
+                    held=None if last else (start - first, end - first),
+                )  # fmt: skip
+                finite.append(part_finite)
+                if detached:  # the whole member under reentrant checkpointing
+                    routing_detached = True
+                    warn_routing_detached()
         return torch.stack(finite).all(), routing_detached
 
     @staticmethod

@@ -18,8 +18,6 @@ from ..engine import (
     Distribution,
     Local,
     MemberTokens,
-    access_pairs,
-    backward_pairs,
     no_layer_checkpointing,
     weights_version,
 )
@@ -131,22 +129,12 @@ class ContextParallel:
         with no_layer_checkpointing(model):
             for step, first, stop in reversed(pieces):
                 hand_offs.before_recompute(step)
-                chunk_index = hand_offs.entry_after(step)
-                with autocast():
-                    access, logps, entropies, load = engine.forward_tokens(
-                        model, span, "recompute", tokens, slice(first, stop), chunk_index, -start
-                    )
-                scored = max(min(stop, scored_end) - first, 0)  # the chunk's tokens with a label
-                pairs = engine.token_loss_pairs(logps, entropies, grad_logps, grad_entropies, first, scored)
-                finite.append(torch.isfinite(logps[0, :scored].detach()).all())
-                if router_weights is not None:
-                    objective = load.objective(router_weights)
-                    pairs.append((objective, torch.ones_like(objective)))
                 held = (span.local_prefix(first_index + first - start), span.local_prefix(first_index + stop - start))
-                pairs += access_pairs(access, chunk_index, *held)
-                # every rank's backward reaches every layer's collectives, whatever its chunk's share of the loss
-                pairs.append((logps, torch.zeros_like(logps)))
-                backward_pairs(pairs)
+                chunk_finite, _ = engine.backward_part(
+                    model, span, "recompute", tokens, slice(first, stop), hand_offs.entry_after(step), -start,
+                    scored_end, grad_logps, grad_entropies, router_weights, autocast, held=held, every_layer=True,
+                )  # fmt: skip
+                finite.append(chunk_finite)
                 hand_offs.after_recompute()
             hand_offs.finish_recompute()
         return torch.stack(finite).all()
