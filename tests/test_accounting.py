@@ -23,10 +23,10 @@ from trl_longstraw.accounting import (
     update_account,
     weight_account,
 )
-from trl_longstraw.architectures import UnsupportedModelError
+from trl_longstraw.architectures import UnsupportedModelError, shared_skeleton
 from trl_longstraw.embedded import FAMILIES, build_model, tiny_config
 from trl_longstraw.engine import LongStrawEngine
-from trl_longstraw.state.registry import LayerAccount
+from trl_longstraw.state.registry import LayerAccount, decoder_layers
 
 from .test_engine import case, chunked_attention_model, prepared
 
@@ -283,3 +283,17 @@ def test_layers_of_one_kind_with_two_geometries_are_counted_apart():
         account.add(LayerAccount("full_attention", per_token=per_token))
     assert sorted(part.layers for part in account.by_layer_type.values()) == [1, 2]
     assert account.bytes(10) == 10 * (64 + 64 + 256) and account.bytes_per_token() == 384
+
+
+def test_a_skeleton_is_shared_by_equal_configs_and_rebuilt_for_a_changed_one():
+    """The planner reads one skeleton per config (`shared_skeleton`); a config changed in place since (a wider MLP)
+    gets its own, and LoRA counted on a changed config follows it."""
+    config = tiny_config("qwen3")
+    first = shared_skeleton(config)
+    assert shared_skeleton(tiny_config("qwen3")) is first
+    before = lora_account(config, rank=4).params
+    config.intermediate_size *= 2
+    wider = shared_skeleton(config)
+    assert wider is not first
+    assert decoder_layers(wider)[0].mlp.up_proj.out_features == 2 * decoder_layers(first)[0].mlp.up_proj.out_features
+    assert lora_account(config, rank=4).params > before

@@ -15,13 +15,32 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from .state import LayerPlan, UnsupportedModelError, plan_layers
 from .state.registry import check_deterministic_forward
 
-__all__ = ["UnsupportedModelError", "check_supported", "longrope_switch_length", "model_skeleton"]
+__all__ = ["UnsupportedModelError", "check_supported", "longrope_switch_length", "model_skeleton", "shared_skeleton"]
 
 
 def model_skeleton(config: PretrainedConfig, trust_remote_code: bool = False) -> nn.Module:
-    """The causal LM of `config` with its parameters on the meta device: its modules, none of its memory."""
+    """The causal LM of `config` with its parameters on the meta device: its modules, none of its memory. A new one
+    per call, the caller's to change (PEFT wraps its modules); `shared_skeleton` to read one."""
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+_SHARED_SKELETONS: dict[tuple, nn.Module] = {}
+_SHARED_SKELETONS_KEPT = 4
+
+
+def shared_skeleton(config: PretrainedConfig, trust_remote_code: bool = False) -> nn.Module:
+    """`model_skeleton` of `config`, built once per config (by its values) and shared by every reader: never change
+    it. A plan reads its model's skeleton dozens of times (its settings, its suggestions), and GLM-5's 78 layers take
+    0.17 s to build each time. The last few configs' skeletons are kept."""
+    key = (type(config), config.to_json_string(use_diff=False), trust_remote_code)
+    skeleton = _SHARED_SKELETONS.pop(key, None)
+    if skeleton is None:
+        skeleton = model_skeleton(config, trust_remote_code=trust_remote_code)
+    _SHARED_SKELETONS[key] = skeleton  # the most recent last
+    while len(_SHARED_SKELETONS) > _SHARED_SKELETONS_KEPT:
+        del _SHARED_SKELETONS[next(iter(_SHARED_SKELETONS))]
+    return skeleton
 
 
 def check_supported(model_or_config: nn.Module | PretrainedConfig, trust_remote_code: bool = False) -> list[LayerPlan]:
@@ -32,7 +51,7 @@ def check_supported(model_or_config: nn.Module | PretrainedConfig, trust_remote_
     check_positions_from_the_model(config)
     if is_config:
         try:
-            model = model_skeleton(config, trust_remote_code=trust_remote_code)
+            model = shared_skeleton(config, trust_remote_code=trust_remote_code)
         except ValueError as error:  # no causal-LM class for this config
             raise UnsupportedModelError(
                 f"model_type={config.model_type!r} has no causal language model class in transformers "

@@ -27,15 +27,15 @@ from typing import Literal
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..architectures import check_supported, model_skeleton
+from ..architectures import check_supported, shared_skeleton
 from ..state.registry import LayerAccount, LayerPlan
 
 
 def skeleton_of(model_or_config: nn.Module | PretrainedConfig, trust_remote_code: bool = False) -> nn.Module:
-    """The meta-device skeleton of a config, or the model given (one skeleton can serve several accounts)."""
+    """The meta-device skeleton of a config (`shared_skeleton`: read only), or the model given."""
     if isinstance(model_or_config, nn.Module):
         return model_or_config
-    return model_skeleton(model_or_config, trust_remote_code=trust_remote_code)
+    return shared_skeleton(model_or_config, trust_remote_code=trust_remote_code)
 
 
 def layer_accounts(

@@ -181,17 +181,30 @@ def lora_account(
     at twice the rank on `gate_up_proj` when both halves are named) and no longer adapts the dense or shared-expert
     maps of those names.
     """
+    targets = target_modules if target_modules is None or isinstance(target_modules, str) else tuple(target_modules)
+    key = (type(config), config.to_json_string(use_diff=False), rank, targets, trust_remote_code)
+    if key not in _LORA_COUNTS:  # a plan asks once per setting it tries; PEFT wraps a whole skeleton each time
+        _LORA_COUNTS[key] = _lora_counts(config, rank, targets, trust_remote_code)
+    trainable, largest_fused_target = _LORA_COUNTS[key]
+    return LoraAccount(rank, trainable, value_bytes, largest_fused_target=largest_fused_target)
+
+
+_LORA_COUNTS: dict[tuple, tuple[int, int]] = {}
+
+
+def _lora_counts(config, rank: int, targets, trust_remote_code: bool) -> tuple[int, int]:
+    """PEFT's trainable values for LoRA of `rank` on `targets`, and its largest adapted fused expert tensor."""
     import peft
     import torch
     from peft.tuners.lora.layer import ParamWrapper
 
     skeleton = model_skeleton(config, trust_remote_code=trust_remote_code)
-    targets = target_modules if target_modules is None or isinstance(target_modules, str) else list(target_modules)
+    targets = list(targets) if isinstance(targets, tuple) else targets
     with torch.device("meta"):
         adapted = peft.get_peft_model(skeleton, peft.LoraConfig(r=rank, target_modules=targets))
     trainable, _ = adapted.get_nb_trainable_parameters()
     fused = [wrapper.get_param().numel() for wrapper in adapted.modules() if isinstance(wrapper, ParamWrapper)]
-    return LoraAccount(rank, trainable, value_bytes, largest_fused_target=max(fused, default=0))
+    return trainable, max(fused, default=0)
 
 
 def _layer_linear_elements(layer: nn.Module, experts_per_token: int) -> int:
@@ -522,7 +535,7 @@ def update_account(config: PretrainedConfig, setup: UpdateSetup, trust_remote_co
     lora = None
     if setup.lora_rank:  # PEFT wraps the modules of its own skeleton
         lora = lora_account(config, setup.lora_rank, setup.lora_targets, setup.adapter_value_bytes, **remote)
-    skeleton = model_skeleton(config, **remote)  # one skeleton for everything else
+    skeleton = skeleton_of(config, **remote)  # one skeleton for everything else
     weights = weight_account(skeleton, setup.quantization, setup.double_quant, setup.dtype_bytes)
     state = prompt_state_bytes(skeleton, setup.prompt_tokens - 1, setup.dtype_bytes, setup.state_dtype)
     replay = segmented_replay_account(skeleton, setup)
