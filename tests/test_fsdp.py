@@ -82,10 +82,10 @@ TORCHRUN_CASES = [
     # row
     ("qwen3_one_row", "shard_weights"),
     ("qwen3_next", "shard_weights"),
-    ("glm_moe_dsa", "fully_shard"),  # MLA + DSA + MoE
     # passed by its directory: the trainer loads it sharded (each rank reads its rows: transformers' load-time FSDP2
-    # plan, whose final norm and LM head stay gathered from forward to backward); GLM-5 with LoRA added after the
-    # sharding (the adapter sharded then) and beta > 0
+    # plan, whose final norm and LM head stay gathered from forward to backward); GLM-5's MLA + DSA + MoE with LoRA added
+    # after the sharding (the adapter sharded then) and beta > 0 (GLM-5 sharded before the trainer, fully fine-tuned:
+    # benchmarks/sharded_weights.py)
     ("qwen3", "loaded"),
     ("glm_moe_dsa", "loaded_lora"),
     # long members in segments of 2 tokens (GatedDeltaNet state and K/V pages continued segment by segment): the ranks'
