@@ -29,11 +29,17 @@ _SHARED_SKELETONS: dict[tuple, nn.Module] = {}
 _SHARED_SKELETONS_KEPT = 4
 
 
+def config_key(config: PretrainedConfig, trust_remote_code: bool = False) -> tuple:
+    """A key equal for configs of equal class and values (a config changed in place gets another): what a skeleton,
+    or a count made on one, is cached by."""
+    return type(config), config.to_json_string(use_diff=False), trust_remote_code
+
+
 def shared_skeleton(config: PretrainedConfig, trust_remote_code: bool = False) -> nn.Module:
-    """`model_skeleton` of `config`, built once per config (by its values) and shared by every reader: never change
+    """`model_skeleton` of `config`, built once per config (`config_key`) and shared by every reader: never change
     it. A plan reads its model's skeleton dozens of times (its settings, its suggestions), and GLM-5's 78 layers take
     0.17 s to build each time. The last few configs' skeletons are kept."""
-    key = (type(config), config.to_json_string(use_diff=False), trust_remote_code)
+    key = config_key(config, trust_remote_code)
     skeleton = _SHARED_SKELETONS.pop(key, None)
     if skeleton is None:
         skeleton = model_skeleton(config, trust_remote_code=trust_remote_code)

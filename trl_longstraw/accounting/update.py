@@ -24,7 +24,7 @@ from typing import Literal
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..architectures import check_supported, model_skeleton
+from ..architectures import check_supported, config_key, model_skeleton
 from ..state.registry import decoder_layers
 from .prompt_state import prompt_state_bytes, skeleton_of, under_context_parallelism
 
@@ -182,7 +182,7 @@ def lora_account(
     maps of those names.
     """
     targets = target_modules if target_modules is None or isinstance(target_modules, str) else tuple(target_modules)
-    key = (type(config), config.to_json_string(use_diff=False), rank, targets, trust_remote_code)
+    key = (config_key(config, trust_remote_code), rank, targets)
     if key not in _LORA_COUNTS:  # a plan asks once per setting it tries; PEFT wraps a whole skeleton each time
         _LORA_COUNTS[key] = _lora_counts(config, rank, targets, trust_remote_code)
     trainable, largest_fused_target = _LORA_COUNTS[key]
